@@ -1,0 +1,26 @@
+# One image for every Stepward process: web (default), worker, beat, ticket desk.
+#   docker build -t stepward .
+#   docker run -e DATABASE_URL=... -e CELERY_BROKER_URL=... -e SECRET_KEY=... stepward
+#   docker run ... stepward celery -A console worker --loglevel INFO
+#   docker run ... stepward celery -A console beat --loglevel INFO
+FROM python:3.13-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    STEPWARD_VAR_DIR=/var/lib/stepward
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY console ./console
+COPY executor ./executor
+COPY templates ./templates
+COPY static ./static
+COPY manage.py ./
+RUN pip install --no-cache-dir . \
+    && useradd --system --home-dir /var/lib/stepward --create-home stepward \
+    && python manage.py collectstatic --no-input
+
+USER stepward
+EXPOSE 8000
+CMD ["gunicorn", "console.wsgi", "--bind", "0.0.0.0:8000", "--workers", "3", \
+     "--threads", "8", "--worker-class", "gthread", "--access-logfile", "-"]

@@ -1,0 +1,43 @@
+# Stepward. `make run` starts the whole product on embedded defaults; `make test` runs the tests.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+VENV := .venv
+PY := $(VENV)/bin/python
+# Django 6 needs Python >= 3.12: take python3.13, else python3.12, else pyenv's copies.
+FIND_PYTHON = for p in python3.13 python3.12 $$HOME/.pyenv/versions/3.13*/bin/python3.13 \
+	$$HOME/.pyenv/versions/3.12*/bin/python3.12; do \
+	if "$$p" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; then \
+	echo "$$p"; break; fi; done
+
+.PHONY: help
+help:
+	@echo "make run    set up and run Stepward on SQLite with an embedded broker (http://127.0.0.1:8000)"
+	@echo "make test   set up and run the linters and the test suites"
+	@echo "make lint   ruff and mypy only"
+
+$(VENV)/.installed: pyproject.toml
+	@py="$$($(FIND_PYTHON))"; \
+	if [ -z "$$py" ]; then echo "Stepward needs Python 3.12 or newer (python3.13 or python3.12 on PATH)." >&2; exit 1; fi; \
+	if [ ! -x $(PY) ]; then echo "creating $(VENV) with $$py"; "$$py" -m venv $(VENV); fi
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+.PHONY: install
+install: $(VENV)/.installed
+
+.PHONY: run
+run: install
+	$(PY) manage.py migrate --no-input
+	$(PY) manage.py up
+
+.PHONY: lint
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy .
+
+.PHONY: test
+test: install lint
+	bash .ci/test-suites

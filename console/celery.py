@@ -1,0 +1,28 @@
+"""The Celery app (`celery -A console worker` / `celery -A console beat`)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from celery import Celery
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "console.settings")
+
+app = Celery("console")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.autodiscover_tasks(["executor"])
+
+
+def ensure_filesystem_broker() -> None:
+    """The embedded broker's folders must exist before a worker or a publisher uses them."""
+    from django.conf import settings
+
+    if settings.CELERY_BROKER_URL.startswith("filesystem://"):
+        for key in ("data_folder_in", "data_folder_out", "processed_folder", "control_folder"):
+            Path(str(settings.CELERY_BROKER_TRANSPORT_OPTIONS[key])).mkdir(
+                parents=True, exist_ok=True
+            )
+
+
+ensure_filesystem_broker()

@@ -1,0 +1,13 @@
+from __future__ import annotations
+
+from django.contrib import admin
+from django.urls import include, path
+
+from executor.api import api
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path("api/v1/", api.urls),
+    path("accounts/", include("django.contrib.auth.urls")),
+    path("", include("console.console_urls")),
+]

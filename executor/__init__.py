@@ -1,0 +1,1 @@
+"""The ledger and the engine. Knows nothing of the console."""

@@ -1,0 +1,649 @@
+"""Django admin for admins (DESIGN.md §1): workspaces, agents, permissions, read-only ledger.
+
+The ledger (runs, steps, attempts, events, approvals, drills) can be read here but never
+written: state changes go through the services, which keep the Event chain intact.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django import forms
+from django.contrib import admin, messages
+from django.contrib.admin.options import IS_POPUP_VAR
+from django.db.models import Count, IntegerField, Model, OuterRef, QuerySet, Subquery
+from django.db.models.functions import Coalesce
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.urls import reverse
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+from guardian.admin import GuardedModelAdmin
+
+from executor import services
+from executor.ledger import verify_chain
+from executor.models import (
+    Agent,
+    Approval,
+    Attempt,
+    DrillReport,
+    Event,
+    Run,
+    Step,
+    Tool,
+    Workspace,
+)
+from executor.states import NEEDS_REVIEW
+from executor.tools.base import get_tool
+
+# --- helpers ----------------------------------------------------------------------------
+
+
+def changelist_link(model: type[Model], text: object, **filters: object) -> str:
+    opts = model._meta
+    url = reverse(f"admin:{opts.app_label}_{opts.model_name}_changelist")
+    query = "&".join(f"{key}={value}" for key, value in filters.items())
+    return format_html('<a href="{}?{}">{}</a>', url, query, text)
+
+
+def pretty_json(value: Any) -> str:
+    if value is None:
+        return "-"
+    text = json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, default=str)
+    return format_html('<pre style="margin:0; white-space:pre-wrap">{}</pre>', text)
+
+
+def short_hash(value: str) -> str:
+    return format_html('<code title="{}">{}…</code>', value, value[:12]) if value else "-"
+
+
+def count_of(model: type[Model], field: str) -> Coalesce:
+    """A correlated COUNT: one subquery per count, instead of joins that multiply rows."""
+    rows = (
+        model._default_manager.filter(**{field: OuterRef("pk")})
+        .order_by()
+        .values(field)
+        .annotate(n=Count("pk"))
+        .values("n")
+    )
+    return Coalesce(Subquery(rows, output_field=IntegerField()), 0)
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Viewable, never writable: add, change and delete are refused (403 on POST)."""
+
+    # Ledger tables grow large; a second COUNT(*) of the whole table on every filtered
+    # page is not worth its cost.
+    show_full_result_count = False
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        own = [field.name for field in self.model._meta.fields]
+        return own + [name for name in self.readonly_fields if name not in own]
+
+
+class ReadOnlyInline(admin.TabularInline):
+    extra = 0
+    max_num = 0
+    can_delete = False
+    show_change_link = True
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+# --- workspaces and tools (guardian object permissions) ----------------------------------
+
+
+class AgentInline(ReadOnlyInline):
+    model = Agent
+    fields = readonly_fields = ("name", "token_prefix", "is_active", "last_seen_at", "created_at")
+    ordering = ["name"]
+
+
+@admin.register(Workspace)
+class WorkspaceAdmin(GuardedModelAdmin):
+    list_display = ["slug", "name", "agent_count", "run_count", "created_at"]
+    list_filter = ["created_at"]
+    search_fields = ["slug", "name"]
+    prepopulated_fields = {"slug": ["name"]}
+    inlines = [AgentInline]
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Workspace]:
+        return (
+            super()
+            .get_queryset(request)
+            .annotate(
+                agent_total=count_of(Agent, "workspace"),
+                run_total=count_of(Run, "workspace"),
+            )
+        )
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        # Commands (`--workspace SLUG`) and agents' user names refer to the slug.
+        return ["created_at"] if obj is None else ["slug", "created_at"]
+
+    def get_prepopulated_fields(self, request: HttpRequest, obj: Any = None) -> dict[str, Any]:
+        return self.prepopulated_fields if obj is None else {}
+
+    @admin.display(description="agents", ordering="agent_total")
+    def agent_count(self, workspace: Any) -> str:
+        return changelist_link(Agent, workspace.agent_total, workspace__id__exact=workspace.pk)
+
+    @admin.display(description="runs", ordering="run_total")
+    def run_count(self, workspace: Any) -> str:
+        return changelist_link(Run, workspace.run_total, workspace__id__exact=workspace.pk)
+
+
+@admin.register(Tool)
+class ToolAdmin(GuardedModelAdmin):
+    """Declarations mirror the code's registry; only who may use a tool is edited here."""
+
+    list_display = [
+        "name",
+        "effect",
+        "idempotency",
+        "requires_approval",
+        "reversible",
+        "has_lookup",
+        "registered",
+        "updated_at",
+    ]
+    list_filter = ["effect", "idempotency", "requires_approval", "has_lookup", "registered"]
+    search_fields = ["name", "compensation"]
+    fields = readonly_fields = (
+        "name",
+        "description",
+        "effect",
+        "idempotency",
+        "requires_approval",
+        "compensation",
+        "has_lookup",
+        "policy_version",
+        "registered",
+        "updated_at",
+    )
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # No tool row is editable: the registry rewrites it after every migrate. The
+        # model-level answer stays yes because guardian's "Object permissions" pages ask
+        # it (without an object) before letting an admin grant `use_tool`.
+        if obj is not None:
+            return False
+        return super().has_change_permission(request)
+
+    @admin.display(description="description")
+    def description(self, tool: Tool) -> str:
+        try:
+            return get_tool(tool.name).description or "-"
+        except LookupError:
+            return "no longer registered"
+
+    @admin.display(description="compensation", ordering="compensation")
+    def reversible(self, tool: Tool) -> str:
+        return tool.compensation or "irreversible"
+
+
+# --- agents -----------------------------------------------------------------------------
+
+
+class AgentAddForm(forms.ModelForm):
+    """Only what an admin chooses; the user, permissions and token come from the service."""
+
+    class Meta:
+        model = Agent
+        fields = ["workspace", "name"]
+
+
+def show_token_once(request: HttpRequest, agent: Agent, token: str, verb: str) -> None:
+    messages.success(
+        request,
+        format_html(
+            "{} token for agent “{}”: <code style='user-select:all'>{}</code> Copy it now: "
+            "only its hash is stored and it will not be shown again.",
+            verb,
+            agent.name,
+            token,
+        ),
+    )
+
+
+@admin.register(Agent)
+class AgentAdmin(admin.ModelAdmin):
+    list_display = [
+        "name",
+        "workspace",
+        "token_prefix",
+        "is_active",
+        "last_seen_at",
+        "created_at",
+        "runs",
+    ]
+    list_filter = ["is_active", "workspace", "created_at"]
+    search_fields = ["name", "workspace__slug", "token_prefix", "user__username"]
+    list_select_related = ["workspace"]
+    autocomplete_fields = ["workspace"]
+    actions = ["rotate_token", "deactivate", "activate"]
+    fieldsets = [
+        (None, {"fields": ["workspace", "name", "is_active"]}),
+        (
+            "Identity",
+            {
+                "fields": ["user", "token_prefix", "created_at", "last_seen_at"],
+                "description": "The token itself is never stored; rotate it to issue a new one.",
+            },
+        ),
+    ]
+    add_fieldsets = [
+        (
+            None,
+            {
+                "fields": ["workspace", "name"],
+                "description": (
+                    "Saving creates the agent's user with submit_steps on the workspace and "
+                    "use_tool on every tool, and shows its token once."
+                ),
+            },
+        )
+    ]
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # Runs and events refer to agents; deactivate an agent instead of deleting it.
+        return False
+
+    def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
+        return self.add_fieldsets if obj is None else self.fieldsets
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        if obj is None:
+            return []
+        # The name is part of the agent's user name and of its events' actor.
+        return ["workspace", "name", "user", "token_prefix", "created_at", "last_seen_at"]
+
+    def get_form(
+        self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
+    ) -> Any:
+        if obj is None:
+            kwargs["form"] = AgentAddForm
+        return super().get_form(request, obj, change=change, **kwargs)
+
+    def save_model(self, request: HttpRequest, obj: Agent, form: Any, change: bool) -> None:
+        if change:
+            super().save_model(request, obj, form, change)
+            return
+        agent, token = services.agent_create(workspace=obj.workspace, name=obj.name)
+        # The admin goes on with `obj` (history entry, redirect): make it the saved agent.
+        for field in Agent._meta.concrete_fields:
+            setattr(obj, field.attname, getattr(agent, field.attname))
+        obj._state.adding = False
+        obj._state.db = agent._state.db
+        show_token_once(request, agent, token, "New")
+
+    def response_add(
+        self, request: HttpRequest, obj: Agent, post_url_continue: str | None = None
+    ) -> HttpResponse:
+        if IS_POPUP_VAR in request.POST or "_addanother" in request.POST:
+            return super().response_add(request, obj, post_url_continue)
+        # Stay on the new agent, where its token prefix can be checked against the token.
+        return HttpResponseRedirect(reverse("admin:executor_agent_change", args=[obj.pk]))
+
+    @admin.display(description="runs")
+    def runs(self, agent: Agent) -> str:
+        return changelist_link(Run, "runs", agent__id__exact=agent.pk)
+
+    @admin.action(description="Rotate token (the new token is shown once)", permissions=["change"])
+    def rotate_token(self, request: HttpRequest, queryset: QuerySet[Agent]) -> None:
+        for agent in queryset:
+            token = services.agent_rotate_token(agent=agent)
+            self.log_change(request, agent, "Rotated the token.")
+            show_token_once(request, agent, token, "New")
+
+    @admin.action(
+        description="Deactivate (its steps stop at their next claim)", permissions=["change"]
+    )
+    def deactivate(self, request: HttpRequest, queryset: QuerySet[Agent]) -> None:
+        changed = queryset.filter(is_active=True).update(is_active=False)
+        self.message_user(request, f"Deactivated {changed} agent(s).", messages.SUCCESS)
+
+    @admin.action(description="Activate", permissions=["change"])
+    def activate(self, request: HttpRequest, queryset: QuerySet[Agent]) -> None:
+        changed = queryset.filter(is_active=False).update(is_active=True)
+        self.message_user(request, f"Activated {changed} agent(s).", messages.SUCCESS)
+
+
+# --- the ledger (read-only) ---------------------------------------------------------------
+
+
+@admin.register(Run)
+class RunAdmin(ReadOnlyAdmin):
+    list_display = [
+        "name",
+        "workspace",
+        "agent",
+        "status",
+        "calls",
+        "used_cost",
+        "step_count",
+        "created_at",
+    ]
+    list_filter = ["status", "workspace", "created_at"]
+    search_fields = ["name", "key", "=id", "agent__name"]
+    list_select_related = ["workspace", "agent", "agent__workspace"]
+    date_hierarchy = "created_at"
+    fieldsets = [
+        (None, {"fields": ["id", "name", "key", "workspace", "agent", "status", "pause_reason"]}),
+        ("Budget", {"fields": ["max_calls", "max_cost", "deadline"]}),
+        ("Usage", {"fields": ["used_calls", "used_cost", "steps_and_events"]}),
+        ("Record", {"fields": ["version", "created_at", "updated_at"]}),
+    ]
+    readonly_fields = ["steps_and_events"]
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Run]:
+        return super().get_queryset(request).annotate(step_total=count_of(Step, "run"))
+
+    @admin.display(description="calls")
+    def calls(self, run: Run) -> str:
+        return f"{run.used_calls} / {run.max_calls}" if run.max_calls else str(run.used_calls)
+
+    @admin.display(description="steps", ordering="step_total")
+    def step_count(self, run: Any) -> str:
+        return changelist_link(Step, run.step_total, run__id__exact=run.pk)
+
+    @admin.display(description="steps and events")
+    def steps_and_events(self, run: Any) -> str:
+        return format_html(
+            "{} · {}",
+            changelist_link(Step, f"{run.step_total} steps", run__id__exact=run.pk),
+            changelist_link(Event, "events", run__id__exact=run.pk),
+        )
+
+
+class NeedsReviewFilter(admin.SimpleListFilter):
+    title = "waits for a person"
+    parameter_name = "needs_review"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("yes", "Yes"), ("no", "No")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        if self.value() == "yes":
+            return queryset.filter(state__in=NEEDS_REVIEW)
+        if self.value() == "no":
+            return queryset.exclude(state__in=NEEDS_REVIEW)
+        return queryset
+
+
+class AttemptInline(ReadOnlyInline):
+    model = Attempt
+    fields = readonly_fields = (
+        "number",
+        "fence",
+        "worker",
+        "phase",
+        "error_class",
+        "error_message",
+        "cost",
+        "claimed_at",
+        "submitted_at",
+        "finished_at",
+        "fenced_out_write",
+    )
+    ordering = ["number"]
+
+
+class EventInline(ReadOnlyInline):
+    model = Event
+    fields = readonly_fields = (
+        "seq",
+        "from_state",
+        "to_state",
+        "actor",
+        "reason",
+        "created_at",
+        "event_hash",
+    )
+    ordering = ["seq"]
+    show_change_link = True
+
+    @admin.display(description="hash")
+    def event_hash(self, event: Event) -> str:
+        return short_hash(event.hash)
+
+
+class ApprovalInline(ReadOnlyInline):
+    model = Approval
+    fields = readonly_fields = (
+        "approver",
+        "tool",
+        "policy_version",
+        "approved_at",
+        "expires_at",
+        "consumed_at",
+    )
+    ordering = ["approved_at"]
+
+
+@admin.register(Step)
+class StepAdmin(ReadOnlyAdmin):
+    list_display = [
+        "key",
+        "run",
+        "tool_name",
+        "state",
+        "version",
+        "attempt_count",
+        "external_id",
+        "updated_at",
+    ]
+    list_filter = [NeedsReviewFilter, "state", "tool", "run__workspace", "created_at"]
+    search_fields = ["key", "=id", "=operation_id", "external_id", "run__name"]
+    list_select_related = ["run"]
+    date_hierarchy = "created_at"
+    fieldsets = [
+        (
+            None,
+            {"fields": ["id", "run", "position", "key", "tool", "state", "version", "chain"]},
+        ),
+        (
+            "Call",
+            {
+                "fields": [
+                    "input_summary",
+                    "pretty_input",
+                    "input_hash",
+                    "operation_id",
+                    "depends_on",
+                    "compensates",
+                ]
+            },
+        ),
+        (
+            "Outcome",
+            {"fields": ["external_id", "pretty_result", "failure_class", "failure_message"]},
+        ),
+        (
+            "Lease and retries",
+            {
+                "fields": [
+                    "lease_owner",
+                    "lease_expires_at",
+                    "fence",
+                    "attempt_count",
+                    "not_before",
+                    "first_scheduled_at",
+                ]
+            },
+        ),
+        ("Record", {"fields": ["head_hash", "created_at", "updated_at"]}),
+    ]
+    readonly_fields = ["chain", "pretty_input", "pretty_result"]
+    inlines = [ApprovalInline, AttemptInline, EventInline]
+
+    @admin.display(description="tool", ordering="tool")
+    def tool_name(self, step: Step) -> str:
+        return step.tool_id
+
+    @admin.display(description="input")
+    def pretty_input(self, step: Step) -> str:
+        return pretty_json(step.input)
+
+    @admin.display(description="result")
+    def pretty_result(self, step: Step) -> str:
+        return pretty_json(step.result)
+
+    @admin.display(description="event chain")
+    def chain(self, step: Step) -> SafeString:
+        report = verify_chain(step_ids=[step.pk])
+        if report.ok:
+            return format_html("intact ({} events)", report.events)
+        finding = report.findings[0]
+        return format_html(
+            '<strong style="color:#ba2121">broken at event {} (seq {}): {}</strong>',
+            finding.event_id if finding.event_id is not None else "-",
+            finding.seq if finding.seq is not None else "-",
+            finding.problem,
+        )
+
+
+@admin.register(Attempt)
+class AttemptAdmin(ReadOnlyAdmin):
+    list_display = [
+        "__str__",
+        "step",
+        "number",
+        "phase",
+        "worker",
+        "error_class",
+        "cost",
+        "claimed_at",
+        "finished_at",
+    ]
+    list_filter = ["phase", "error_class", "claimed_at"]
+    search_fields = ["=step__id", "step__key", "worker", "error_message"]
+    list_select_related = ["step"]
+    date_hierarchy = "claimed_at"
+    readonly_fields = ["pretty_request", "pretty_response"]
+    fieldsets = [
+        (None, {"fields": ["step", "number", "fence", "worker", "phase"]}),
+        ("Evidence", {"fields": ["pretty_request", "pretty_response", "cost"]}),
+        ("Error", {"fields": ["error_class", "error_message"]}),
+        ("Fenced out", {"fields": ["fenced_out_at", "fenced_out_write"]}),
+        ("Times", {"fields": ["claimed_at", "submitted_at", "finished_at"]}),
+    ]
+
+    @admin.display(description="request evidence")
+    def pretty_request(self, attempt: Attempt) -> str:
+        return pretty_json(attempt.request_evidence)
+
+    @admin.display(description="response evidence")
+    def pretty_response(self, attempt: Attempt) -> str:
+        return pretty_json(attempt.response_evidence)
+
+
+@admin.register(Event)
+class EventAdmin(ReadOnlyAdmin):
+    list_display = ["created_at", "step", "seq", "from_state", "to_state", "actor", "reason"]
+    list_filter = ["to_state", "from_state", "run__workspace", "created_at"]
+    search_fields = ["=step__id", "=run__id", "step__key", "actor", "reason"]
+    list_select_related = ["step"]
+    date_hierarchy = "created_at"
+    readonly_fields = ["pretty_data"]
+    fieldsets = [
+        (None, {"fields": ["run", "step", "seq", "from_state", "to_state", "actor", "reason"]}),
+        ("Data", {"fields": ["pretty_data", "created_at"]}),
+        ("Chain", {"fields": ["prev_hash", "hash"]}),
+    ]
+
+    @admin.display(description="data")
+    def pretty_data(self, event: Event) -> str:
+        return pretty_json(event.data)
+
+
+class ApprovedByFilter(admin.SimpleListFilter):
+    title = "approved by"
+    parameter_name = "approved_by"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("person", "A person"), ("policy", "The tool's policy")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        if self.value() == "person":
+            return queryset.filter(approver__isnull=False)
+        if self.value() == "policy":
+            return queryset.filter(approver__isnull=True)
+        return queryset
+
+
+@admin.register(Approval)
+class ApprovalAdmin(ReadOnlyAdmin):
+    list_display = ["step", "tool", "approved_by", "approved_at", "expires_at", "status"]
+    list_filter = [ApprovedByFilter, "tool", "approved_at"]
+    search_fields = ["=step__id", "step__key", "approver__username", "reason"]
+    list_select_related = ["step", "approver"]
+    date_hierarchy = "approved_at"
+
+    @admin.display(description="approved by", ordering="approver__username")
+    def approved_by(self, approval: Approval) -> str:
+        return approval.approver.get_username() if approval.approver else "policy"
+
+    @admin.display(description="status")
+    def status(self, approval: Approval) -> str:
+        if approval.revoked_at:
+            return "revoked"
+        if approval.consumed_at:
+            return "used"
+        return "live"
+
+
+@admin.register(DrillReport)
+class DrillReportAdmin(ReadOnlyAdmin):
+    list_display = [
+        "started_at",
+        "version",
+        "passed",
+        "duplicates",
+        "lost",
+        "left_for_review",
+        "elapsed_seconds",
+    ]
+    list_filter = ["passed", "version", "started_at"]
+    search_fields = ["version", "notes"]
+    date_hierarchy = "started_at"
+    readonly_fields = ["pretty_parameters", "pretty_interruption_points", "pretty_counts"]
+    fieldsets = [
+        (None, {"fields": ["version", "passed", "started_at", "finished_at", "elapsed_seconds"]}),
+        ("Outcome", {"fields": ["duplicates", "lost", "left_for_review", "pretty_counts"]}),
+        ("Drill", {"fields": ["pretty_parameters", "pretty_interruption_points", "notes"]}),
+    ]
+
+    @admin.display(description="parameters")
+    def pretty_parameters(self, report: DrillReport) -> str:
+        return pretty_json(report.parameters)
+
+    @admin.display(description="interruption points")
+    def pretty_interruption_points(self, report: DrillReport) -> str:
+        return pretty_json(report.interruption_points)
+
+    @admin.display(description="counts")
+    def pretty_counts(self, report: DrillReport) -> str:
+        return pretty_json(report.counts)

@@ -1,0 +1,517 @@
+"""The agents' JSON API, `/api/v1/` (API.md): bearer-token auth, rate limit, error shape.
+
+Handlers parse, call a service or selector, and shape the answer; the rules live in
+`services` and `selectors`. An agent sees its workspace's runs and steps and nothing else:
+another workspace's ids answer exactly like ids that do not exist.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+import uuid
+from datetime import timedelta
+from typing import Annotated, Any, cast
+
+from django.conf import settings
+from django.db.models import QuerySet
+from django.http import Http404, HttpRequest, HttpResponse
+from django.utils import timezone
+from guardian.shortcuts import get_objects_for_user
+from ninja import NinjaAPI, Path, Query, Status
+from ninja.errors import AuthenticationError, HttpError, Throttled, ValidationError
+from ninja.parser import Parser
+from ninja.security import HttpBearer
+from ninja.throttling import AuthRateThrottle
+from ninja.types import DictStrAny
+
+from executor import selectors, services
+from executor.http import ERROR_CODES, error_response
+from executor.models import Agent, Run, Step, Tool, hash_token
+from executor.schemas import (
+    MAX_INT,
+    BudgetIn,
+    CancelIn,
+    ErrorOut,
+    ReportOut,
+    RunIn,
+    RunOut,
+    StepIn,
+    StepOut,
+    ToolOut,
+)
+from executor.tools.base import all_tools
+
+# Writing `last_seen_at` on every request would turn every read into a write.
+LAST_SEEN_EVERY = timedelta(minutes=1)
+WAIT_POLL_SECONDS = 0.2
+STEPS_PAGE_MAX = 1000
+
+
+# --- authentication and rate limit -------------------------------------------------------
+
+
+class AgentToken(HttpBearer):
+    """`Authorization: Bearer <token>`: an active agent whose token hashes to a stored hash."""
+
+    def authenticate(self, request: HttpRequest, token: str) -> Agent | None:
+        token = token.strip()
+        if not token:
+            return None
+        agent = (
+            Agent.objects.select_related("workspace", "user")
+            .filter(token_hash=hash_token(token), is_active=True, user__is_active=True)
+            .first()
+        )
+        if agent is None:
+            return None
+        now = timezone.now()
+        if agent.last_seen_at is None or now - agent.last_seen_at >= LAST_SEEN_EVERY:
+            Agent.objects.filter(pk=agent.pk).update(last_seen_at=now)
+            agent.last_seen_at = now
+        return agent
+
+
+class AgentRateThrottle(AuthRateThrottle):
+    """At most `settings.API_RATE_LIMIT` requests per agent (e.g. "1200/min").
+
+    The rate is read on every request, so a deployment or a test can change the setting
+    without rebuilding the API. History lives in Django's cache: a shared cache (CACHE_URL)
+    makes the limit hold across web processes; two racing requests may both be counted as
+    the last one allowed, which only makes the limit approximate by a request or two.
+    """
+
+    def __init__(self) -> None:
+        # ninja's throttles keep the request being checked on the instance, and one instance
+        # serves every thread: what `wait()` needs is kept per thread instead.
+        self._checked = threading.local()
+
+    def get_cache_key(self, request: HttpRequest) -> str:
+        agent = getattr(request, "auth", None)
+        if not isinstance(agent, Agent):
+            return super().get_cache_key(request)
+        # With the token's hash: a rotated token starts afresh, and a recycled primary key
+        # (SQLite reuses them) never inherits another agent's history.
+        return f"stepward_api_rate_{agent.pk}_{agent.token_hash[:16]}"
+
+    def allow_request(self, request: HttpRequest) -> bool:
+        limit, period = self.parse_rate(settings.API_RATE_LIMIT)
+        if limit is None or period is None:
+            return True
+        key = self.get_cache_key(request)
+        now = time.time()
+        history = [t for t in self.cache.get(key, []) if t > now - period]
+        if len(history) >= limit:
+            # The oldest request in the window leaves it first.
+            self._checked.retry_after = history[-1] + period - now
+            return False
+        history.insert(0, now)
+        self.cache.set(key, history, period)
+        return True
+
+    def wait(self) -> float | None:
+        return max(1.0, getattr(self._checked, "retry_after", 1.0))
+
+
+# --- the request body ----------------------------------------------------------------------
+
+
+class MalformedJson(ValueError):
+    """The body is not JSON at all: 400."""
+
+
+class UnusableJson(ValueError):
+    """The body is JSON the ledger cannot store faithfully: 422."""
+
+
+def _refuse_constant(name: str) -> Any:
+    raise MalformedJson(f"{name} is not a JSON value")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise UnusableJson(f"the number {text[:40]} is too large to store")
+    return value
+
+
+class StrictJsonParser(Parser):
+    """JSON as RFC 8259 has it: no NaN or Infinity, and no number a database cannot hold."""
+
+    def parse_body(self, request: HttpRequest) -> DictStrAny:
+        try:
+            value = json.loads(
+                request.body, parse_constant=_refuse_constant, parse_float=_finite_float
+            )
+        except (MalformedJson, UnusableJson):
+            raise
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise MalformedJson(str(error)) from error
+        except RecursionError:
+            raise UnusableJson("the body is nested too deeply") from None
+        except ValueError as error:
+            # Python refuses integers of more than 4300 digits.
+            raise UnusableJson(str(error)) from error
+        return cast(DictStrAny, value)
+
+
+# --- the API and its errors ----------------------------------------------------------------
+
+api = NinjaAPI(
+    title="Stepward",
+    version="1",
+    description=(
+        "The agents' API of Stepward, a durable step ledger: create runs, post the steps you "
+        "want done, read their outcomes, cancel. Authenticate with `Authorization: Bearer "
+        "<token>`. Every error answers `{error: {code, message, details}}`."
+    ),
+    urls_namespace="api",
+    auth=AgentToken(),
+    throttle=[AgentRateThrottle()],
+    parser=StrictJsonParser(),
+)
+
+
+def errors(*statuses: int) -> dict[int, type[ErrorOut]]:
+    """The error answers an operation can give, for its OpenAPI description."""
+    return dict.fromkeys((401, 429, *statuses), ErrorOut)
+
+
+@api.exception_handler(ValidationError)
+def on_validation_error(request: HttpRequest, exc: ValidationError) -> HttpResponse:
+    details = [
+        {
+            "loc": _public_loc(error.get("loc", ())),
+            "msg": error.get("msg", ""),
+            "type": error.get("type"),
+        }
+        for error in exc.errors
+    ]
+    return error_response(422, "invalid_body", "the request does not fit the schema", details)
+
+
+def _public_loc(loc: Any) -> list[Any]:
+    # ninja names the handler's parameter ("body", "payload", "name"); the client only
+    # knows the body's own fields.
+    parts = list(loc)
+    if parts[:2] == ["body", "payload"]:
+        del parts[1]
+    return parts
+
+
+@api.exception_handler(AuthenticationError)
+def on_authentication_error(request: HttpRequest, exc: AuthenticationError) -> HttpResponse:
+    response = error_response(401, "unauthorized", "a valid bearer token is required")
+    response["WWW-Authenticate"] = 'Bearer realm="stepward"'
+    return response
+
+
+@api.exception_handler(Throttled)
+def on_throttled(request: HttpRequest, exc: Throttled) -> HttpResponse:
+    retry_after = math.ceil(exc.wait) if exc.wait else 1
+    response = error_response(
+        429, "rate_limited", "too many requests", {"retry_after_seconds": retry_after}
+    )
+    response["Retry-After"] = str(retry_after)
+    return response
+
+
+@api.exception_handler(HttpError)
+def on_http_error(request: HttpRequest, exc: HttpError) -> HttpResponse:
+    # ninja wraps whatever the parser raised in a 400 HttpError; the cause says which.
+    cause = exc.__cause__
+    if isinstance(cause, MalformedJson):
+        return error_response(
+            400, "malformed_json", "the request body is not valid JSON", {"reason": str(cause)}
+        )
+    if isinstance(cause, UnusableJson):
+        return error_response(422, "invalid_body", str(cause))
+    status = exc.status_code
+    return error_response(status, ERROR_CODES.get(status, "error"), exc.message)
+
+
+@api.exception_handler(Http404)
+def on_not_found(request: HttpRequest, exc: Http404) -> HttpResponse:
+    return error_response(404, "not_found", "not found")
+
+
+SERVICE_ERROR_STATUS: dict[type[services.ServiceError], int] = {
+    services.NotPermitted: 403,
+    services.Conflict: 409,
+    services.Invalid: 422,
+}
+
+
+@api.exception_handler(services.ServiceError)
+def on_service_error(request: HttpRequest, exc: services.ServiceError) -> HttpResponse:
+    status = next((code for cls, code in SERVICE_ERROR_STATUS.items() if isinstance(exc, cls)), 400)
+    return error_response(status, exc.code, exc.message, exc.details)
+
+
+# --- lookups and shapes -------------------------------------------------------------------
+
+
+def _agent(request: HttpRequest) -> Agent:
+    agent = getattr(request, "auth", None)
+    assert isinstance(agent, Agent), "every operation authenticates an agent"
+    return agent
+
+
+def _parse_id(value: str) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(value)
+    except ValueError:
+        return None
+
+
+def _run_or_404(agent: Agent, run_id: str) -> Run:
+    pk = _parse_id(run_id)
+    run = selectors.runs_for_agent(agent=agent).filter(pk=pk).first() if pk else None
+    if run is None:
+        raise HttpError(404, "no such run")
+    return run
+
+
+def _visible_steps(agent: Agent) -> QuerySet[Step]:
+    # The raw input may hold secrets the answer must never show: it is not even loaded.
+    return selectors.steps_for_agent(agent=agent).defer("input")
+
+
+def _step_or_404(agent: Agent, step_id: str) -> Step:
+    pk = _parse_id(step_id)
+    step = _visible_steps(agent).filter(pk=pk).first() if pk else None
+    if step is None:
+        raise HttpError(404, "no such step")
+    return step
+
+
+def run_out(run: Run) -> dict[str, Any]:
+    return {
+        "id": run.pk,
+        "name": run.name,
+        "key": run.key,
+        "status": run.status,
+        "pause_reason": run.pause_reason,
+        "budget": selectors.run_budget(run=run),
+        "usage": selectors.run_usage(run=run),
+        "counts": selectors.run_counts(run=run),
+        "created_at": run.created_at,
+    }
+
+
+def step_out(step: Step) -> dict[str, Any]:
+    return {
+        "id": step.pk,
+        "run_id": step.run_id,
+        "key": step.key,
+        "tool": step.tool_id,
+        "state": step.state,
+        "input_summary": step.input_summary,
+        "operation_id": step.operation_id,
+        "attempt_count": step.attempt_count,
+        "external_id": step.external_id,
+        "result": step.result,
+        "failure": step.failure,
+        "created_at": step.created_at,
+        "updated_at": step.updated_at,
+        "version": step.version,
+        "position": step.position,
+        "depends_on": list(step.depends_on),
+        "compensates": step.compensates_id,
+    }
+
+
+def wait_for_new_version(step_id: uuid.UUID, seen_version: int, seconds: float) -> None:
+    """Returns once the step's version differs from `seen_version`, or after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while (remaining := deadline - time.monotonic()) > 0:
+        time.sleep(min(WAIT_POLL_SECONDS, remaining))
+        current = Step.objects.filter(pk=step_id).values_list("version", flat=True).first()
+        if current != seen_version:
+            return
+
+
+# Ids are taken as text and parsed by the handler: a malformed id is then a 404 like any
+# other unknown id, not a validation error that tells ids from non-ids.
+RunId = Annotated[str, Path(description="The run's id (a UUID).")]
+StepId = Annotated[str, Path(description="The step's id (a UUID).")]
+
+
+# --- operations -----------------------------------------------------------------------------
+
+
+@api.get(
+    "/tools",
+    response={200: list[ToolOut], **errors()},
+    operation_id="tools_list",
+    summary="The registered tools and how the engine treats them",
+)
+def tools_list(request: HttpRequest) -> list[dict[str, Any]]:
+    agent = _agent(request)
+    # guardian's object permissions, as step_post checks them, in one query.
+    usable = set(
+        get_objects_for_user(
+            agent.user,
+            "executor.use_tool",
+            klass=Tool.objects.filter(registered=True),
+            accept_global_perms=False,
+        ).values_list("name", flat=True)
+    )
+    return [
+        {
+            "name": tool.name,
+            "description": tool.description,
+            "effect": tool.effect,
+            "idempotency": tool.idempotency,
+            "has_lookup": tool.has_lookup(),
+            "compensation": tool.compensation,
+            "requires_approval": tool.needs_approval(),
+            "approval_rule": tool.requires_approval,
+            "retry": tool.retry.as_dict(),
+            "input_schema": tool.input_schema,
+            "usable": tool.name in usable,
+        }
+        for tool in all_tools()
+    ]
+
+
+@api.post(
+    "/runs",
+    response={200: RunOut, 201: RunOut, **errors(400, 403, 413, 422)},
+    operation_id="run_create",
+    summary="Create a run (201), or get the run already created with this key (200)",
+)
+def run_create(request: HttpRequest, payload: RunIn) -> Status[dict[str, Any]]:
+    agent = _agent(request)
+    budget = payload.budget or BudgetIn.model_validate({})
+    run, created = services.run_create(
+        agent=agent,
+        name=payload.name,
+        key=payload.key,
+        max_calls=budget.max_calls,
+        max_cost=budget.max_cost,
+        deadline_seconds=budget.deadline_seconds,
+    )
+    return Status(201 if created else 200, run_out(run))
+
+
+@api.get(
+    "/runs/{run_id}",
+    response={200: RunOut, **errors(404)},
+    operation_id="run_get",
+    summary="A run: status, budget, usage and how many steps are in each state",
+)
+def run_get(request: HttpRequest, run_id: RunId) -> dict[str, Any]:
+    return run_out(_run_or_404(_agent(request), run_id))
+
+
+@api.post(
+    "/runs/{run_id}/steps",
+    response={200: StepOut, 201: StepOut, **errors(400, 403, 404, 409, 413, 422)},
+    operation_id="step_post",
+    summary="Post a step (201); the same key and call again answers the existing step (200)",
+    description=(
+        "A step with the same key but another call (tool, input or depends_on) is a 409. "
+        "An unknown tool, or input that does not fit the tool's input_schema, is a 422."
+    ),
+    by_alias=True,
+)
+def step_post(request: HttpRequest, payload: StepIn, run_id: RunId) -> Status[dict[str, Any]]:
+    agent = _agent(request)
+    run = _run_or_404(agent, run_id)
+    step, created = services.step_post(
+        agent=agent,
+        run=run,
+        key=payload.key,
+        tool_name=payload.tool,
+        input=payload.input,
+        summary=payload.summary,
+        depends_on=payload.depends_on,
+    )
+    return Status(201 if created else 200, step_out(step))
+
+
+@api.get(
+    "/runs/{run_id}/steps",
+    response={200: list[StepOut], **errors(404)},
+    operation_id="run_steps",
+    summary="The run's steps in posting order",
+    description=(
+        "At most `limit` steps (default and maximum 1000) with a position after `after`. "
+        "For the next page pass the last step's `position` as `after`; a page shorter than "
+        "`limit` is the last."
+    ),
+    by_alias=True,
+)
+def run_steps(
+    request: HttpRequest,
+    run_id: RunId,
+    limit: int = Query(STEPS_PAGE_MAX, ge=1, le=STEPS_PAGE_MAX),
+    after: int = Query(0, ge=0, le=MAX_INT, description="Only steps with a later position."),
+) -> list[dict[str, Any]]:
+    agent = _agent(request)
+    run = _run_or_404(agent, run_id)
+    steps = _visible_steps(agent).filter(run=run, position__gt=after).order_by("position")
+    return [step_out(step) for step in steps[:limit]]
+
+
+@api.get(
+    "/steps/{step_id}",
+    response={200: StepOut, **errors(404, 422)},
+    operation_id="step_get",
+    summary="A step; with ?wait=N, held until it changes or N seconds pass",
+    description=(
+        "`wait` (seconds, 0 to 30) holds the answer until the step's `version` changes, "
+        "then answers the step as it is. To miss no change between two reads, pass the "
+        "`version` you last saw: the answer comes at once if the step has moved on since."
+    ),
+    by_alias=True,
+)
+def step_get(
+    request: HttpRequest,
+    step_id: StepId,
+    wait: float = Query(
+        0,
+        ge=0,
+        le=settings.API_MAX_WAIT_SECONDS,
+        description="Seconds to hold the answer until the step changes.",
+    ),
+    version: int | None = Query(
+        None, ge=1, le=MAX_INT, description="Wait until the version differs from this one."
+    ),
+) -> dict[str, Any]:
+    agent = _agent(request)
+    step = _step_or_404(agent, step_id)
+    seen = step.version if version is None else version
+    if wait > 0 and step.version == seen:
+        wait_for_new_version(step.pk, seen, wait)
+        step = _step_or_404(agent, step_id)
+    return step_out(step)
+
+
+@api.post(
+    "/runs/{run_id}/cancel",
+    response={200: RunOut, **errors(400, 404, 413, 422)},
+    operation_id="run_cancel",
+    summary="Cancel the run: steps not yet submitted are cancelled; in-flight ones finish",
+)
+def run_cancel(
+    request: HttpRequest, run_id: RunId, payload: CancelIn | None = None
+) -> dict[str, Any]:
+    agent = _agent(request)
+    run = _run_or_404(agent, run_id)
+    reason = (payload.reason if payload else None) or ""
+    run = services.run_cancel(run=run, actor=services.agent_actor(agent), reason=reason)
+    return run_out(run)
+
+
+@api.get(
+    "/runs/{run_id}/report",
+    response={200: ReportOut, **errors(404)},
+    operation_id="run_report",
+    summary="What the run did: completed (with evidence), uncertain, failed, compensated",
+)
+def run_report(request: HttpRequest, run_id: RunId) -> dict[str, Any]:
+    return selectors.run_report(run=_run_or_404(_agent(request), run_id))

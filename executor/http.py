@@ -1,0 +1,101 @@
+"""HTTP plumbing for the agents' API: the request body limit and the one error shape."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
+
+API_PREFIX = "/api/"
+
+# The `code` of an error answer, by HTTP status, where nothing more specific is known.
+ERROR_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "body_too_large",
+    415: "unsupported_media_type",
+    422: "invalid_body",
+    429: "rate_limited",
+    500: "internal_error",
+    503: "unavailable",
+}
+# Headers that carry meaning for a client and survive reshaping.
+KEPT_HEADERS = ("Allow", "Retry-After", "WWW-Authenticate")
+
+
+def error_response(status: int, code: str, message: str, details: object = None) -> JsonResponse:
+    return JsonResponse(
+        {"error": {"code": code, "message": message, "details": details}}, status=status
+    )
+
+
+class ApiEdgeMiddleware:
+    """The edges of the API that the API's own handlers never see.
+
+    Answers 413 for an API request body over API_MAX_BODY_BYTES, before anything reads it:
+    Django's own limit raises a 400 (RequestDataTooBig) deep inside body parsing, and agents
+    need the 413 that API.md promises. Also puts the error answers Django and ninja make
+    themselves (an unknown URL's 404, ninja's plain-text 405, a crash's 500) in the API's
+    error shape, so an agent parses every error the same way.
+    """
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponseBase]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponseBase:
+        if not request.path.startswith(API_PREFIX):
+            return self.get_response(request)
+        refused = refuse_large_body(request)
+        if refused is not None:
+            return refused
+        return in_error_shape(self.get_response(request))
+
+
+def refuse_large_body(request: HttpRequest) -> HttpResponse | None:
+    if request.method not in ("POST", "PUT", "PATCH"):
+        return None
+    limit = settings.API_MAX_BODY_BYTES
+    declared = request.META.get("CONTENT_LENGTH") or "0"
+    try:
+        length = int(declared)
+    except ValueError:
+        length = -1
+    if length < 0:
+        return error_response(400, "bad_request", "Content-Length is not a number of bytes")
+    if length > limit:
+        return too_large(limit)
+    if length == 0:
+        # A chunked body declares no length: read at most one byte past the limit.
+        body = request.read(limit + 1)
+        if len(body) > limit:
+            return too_large(limit)
+        request._body = body
+    return None
+
+
+def in_error_shape(response: HttpResponseBase) -> HttpResponseBase:
+    status = response.status_code
+    if status < 400 or response.get("Content-Type", "").startswith("application/json"):
+        return response
+    if status >= 500 and settings.DEBUG:
+        # A developer wants Django's debug page with the traceback.
+        return response
+    shaped = error_response(status, ERROR_CODES.get(status, "error"), response.reason_phrase)
+    for header in KEPT_HEADERS:
+        if header in response:
+            shaped[header] = response[header]
+    return shaped
+
+
+def too_large(limit: int) -> JsonResponse:
+    return error_response(
+        413,
+        "body_too_large",
+        f"the request body is over the limit of {limit} bytes",
+        {"limit": limit},
+    )

@@ -1,0 +1,63 @@
+"""`manage.py create_agent NAME --workspace SLUG`: an agent and its token (API.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.exceptions import ValidationError
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.validators import validate_slug
+from django.db import transaction
+
+from executor import services
+from executor.models import Agent, Tool, Workspace
+
+
+class Command(BaseCommand):
+    help = (
+        "Creates an agent (and its workspace if needed) with submit_steps on the workspace "
+        "and use_tool on every tool. Prints its token alone on the last line: it is shown "
+        "only this once."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("name", help="the agent's name, unique within its workspace")
+        parser.add_argument("--workspace", required=True, metavar="SLUG")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        name: str = options["name"].strip()
+        slug: str = options["workspace"]
+        _validate(name=name, slug=slug)
+        new_workspace = not Workspace.objects.filter(slug=slug).exists()
+        try:
+            # One transaction: a refused agent leaves no workspace created for it behind.
+            with transaction.atomic():
+                workspace = services.workspace_get_or_create(slug=slug)
+                agent, token = services.agent_create(workspace=workspace, name=name)
+        except services.ServiceError as error:
+            raise CommandError(error.message) from None
+        tools = Tool.objects.filter(registered=True).count()
+        self.stdout.write(
+            f"Created agent {agent.name!r} in {'new' if new_workspace else 'existing'} "
+            f"workspace {workspace.slug!r} with submit_steps on the workspace and use_tool on "
+            f"{tools} tool(s). Its token follows; it is not stored and will not be shown again:"
+        )
+        # Alone on the last line, so scripts can take it with `tail -n 1`.
+        self.stdout.write(token)
+
+
+def _validate(*, name: str, slug: str) -> None:
+    try:
+        validate_slug(slug)
+    except ValidationError:
+        raise CommandError(
+            f"--workspace {slug!r} is not a slug (letters, digits, hyphens, underscores)"
+        ) from None
+    slug_max = Workspace._meta.get_field("slug").max_length
+    if slug_max is not None and len(slug) > slug_max:
+        raise CommandError(f"--workspace is longer than {slug_max} characters")
+    if not name:
+        raise CommandError("the agent's name must not be empty")
+    name_max = Agent._meta.get_field("name").max_length
+    if name_max is not None and len(name) > name_max:
+        raise CommandError(f"the agent's name is longer than {name_max} characters")

@@ -1,0 +1,471 @@
+"""The ledger's records (DESIGN.md §3). The database holds every rule it can."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import uuid
+from decimal import Decimal
+from typing import Any
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+from guardian.models import GroupObjectPermissionBase, UserObjectPermissionBase
+
+from executor.states import State
+
+WORKSPACE_PERMISSIONS = (
+    ("submit_steps", "Submit steps (agents)"),
+    ("review_steps", "Review steps and probe unknown outcomes"),
+    ("resolve_unknown", "Resolve unknown outcomes by hand"),
+    ("approve_steps", "Approve or reject planned steps"),
+    ("approve_compensation", "Approve compensations"),
+    ("replay_deadletter", "Replay dead letters"),
+    ("extend_budget", "Extend run budgets"),
+)
+REVIEWER_PERMISSIONS = tuple(code for code, _ in WORKSPACE_PERMISSIONS if code != "submit_steps")
+AGENT_WORKSPACE_PERMISSIONS = ("submit_steps",)
+
+
+class Workspace(models.Model):
+    slug = models.SlugField(unique=True)
+    name = models.CharField(max_length=200)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["slug"]
+        permissions = WORKSPACE_PERMISSIONS
+
+    def __str__(self) -> str:
+        return self.slug
+
+
+class WorkspaceUserObjectPermission(UserObjectPermissionBase):
+    content_object = models.ForeignKey(Workspace, on_delete=models.CASCADE)
+
+
+class WorkspaceGroupObjectPermission(GroupObjectPermissionBase):
+    content_object = models.ForeignKey(Workspace, on_delete=models.CASCADE)
+
+
+class Effect(models.TextChoices):
+    PURE = "pure"
+    READ = "read"
+    WRITE = "write"
+    DESTRUCTIVE = "destructive"
+
+
+class Idempotency(models.TextChoices):
+    NONE = "none"
+    KEY = "key"
+
+
+class ApprovalRule(models.TextChoices):
+    ALWAYS = "always"
+    NEVER = "never"
+    BY_POLICY = "by_policy"
+
+
+class Tool(models.Model):
+    """The database mirror of a registered tool, so guardian can grant `use_tool` on it."""
+
+    name = models.CharField(max_length=100, unique=True)
+    effect = models.CharField(max_length=20, choices=Effect.choices)
+    idempotency = models.CharField(max_length=10, choices=Idempotency.choices)
+    requires_approval = models.CharField(max_length=20, choices=ApprovalRule.choices)
+    compensation = models.CharField(max_length=100, blank=True)
+    has_lookup = models.BooleanField(default=False)
+    policy_version = models.CharField(max_length=64)
+    registered = models.BooleanField(
+        default=True, help_text="False when the code no longer registers this tool."
+    )
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+        permissions = [("use_tool", "Use this tool (agents)")]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class ToolUserObjectPermission(UserObjectPermissionBase):
+    content_object = models.ForeignKey(Tool, on_delete=models.CASCADE)
+
+
+class ToolGroupObjectPermission(GroupObjectPermissionBase):
+    content_object = models.ForeignKey(Tool, on_delete=models.CASCADE)
+
+
+def hash_token(token: str) -> str:
+    # Tokens are 256 random bits, so a fast hash is enough; a slow one would only cost
+    # every API request. A leaked table still yields no usable token.
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class Agent(models.Model):
+    """An agent program. Its permissions are held by its `user`, so guardian can check them."""
+
+    workspace = models.ForeignKey(Workspace, on_delete=models.PROTECT, related_name="agents")
+    name = models.CharField(max_length=100)
+    user = models.OneToOneField(
+        settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="agent"
+    )
+    token_hash = models.CharField(max_length=64, unique=True, editable=False)
+    token_prefix = models.CharField(max_length=12, editable=False)
+    is_active = models.BooleanField(default=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_seen_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["workspace", "name"]
+        constraints = [
+            models.UniqueConstraint(fields=["workspace", "name"], name="agent_unique_name"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.workspace})"
+
+    def set_new_token(self) -> str:
+        """Sets a fresh token and returns it: the only time it is ever visible."""
+        token = "sw_" + secrets.token_urlsafe(32)
+        self.token_hash = hash_token(token)
+        self.token_prefix = token[:10]
+        return token
+
+
+class RunStatus(models.TextChoices):
+    OPEN = "open"
+    PAUSED = "paused"
+    CLOSED = "closed"
+    CANCELLED = "cancelled"
+
+
+class Run(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    workspace = models.ForeignKey(Workspace, on_delete=models.PROTECT, related_name="runs")
+    agent = models.ForeignKey(Agent, on_delete=models.PROTECT, related_name="runs")
+    name = models.CharField(max_length=200)
+    # NULL, not "", when absent: the unique (agent, key) constraint ignores NULLs.
+    key = models.CharField(max_length=200, null=True, blank=True)  # noqa: DJ001
+    status = models.CharField(max_length=20, choices=RunStatus.choices, default=RunStatus.OPEN)
+    pause_reason = models.CharField(max_length=500, blank=True)
+    max_calls = models.PositiveIntegerField(null=True, blank=True)
+    max_cost = models.DecimalField(max_digits=14, decimal_places=4, null=True, blank=True)
+    deadline = models.DateTimeField(null=True, blank=True)
+    used_calls = models.PositiveIntegerField(default=0)
+    used_cost = models.DecimalField(max_digits=14, decimal_places=4, default=Decimal(0))
+    version = models.PositiveIntegerField(default=1)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["agent", "key"], condition=Q(key__isnull=False), name="run_unique_key"
+            ),
+            models.CheckConstraint(
+                condition=Q(status__in=RunStatus.values), name="run_status_valid"
+            ),
+            models.CheckConstraint(
+                condition=Q(status=RunStatus.PAUSED) | Q(pause_reason=""),
+                name="run_pause_reason_only_when_paused",
+            ),
+            models.CheckConstraint(condition=Q(used_cost__gte=0), name="run_used_cost_positive"),
+        ]
+        indexes = [models.Index(fields=["status", "updated_at"], name="run_status_updated")]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Step(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="steps")
+    # Posting order within the run.
+    position = models.PositiveIntegerField()
+    key = models.CharField(max_length=200)
+    tool = models.ForeignKey(
+        Tool, to_field="name", db_column="tool", on_delete=models.PROTECT, related_name="+"
+    )
+    input = models.JSONField()
+    input_hash = models.CharField(max_length=64)
+    input_summary = models.TextField(blank=True)
+    depends_on = models.JSONField(default=list, blank=True)
+    operation_id = models.UUIDField(default=uuid.uuid4, editable=False)
+    compensates = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="compensations"
+    )
+
+    state = models.CharField(max_length=20, choices=State.choices, default=State.PLANNED)
+    version = models.PositiveIntegerField(default=1)
+    # Hash of the newest Event: the head of this step's chain (see Event).
+    head_hash = models.CharField(max_length=64, blank=True)
+
+    lease_owner = models.CharField(max_length=200, blank=True)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    fence = models.PositiveIntegerField(default=0)
+
+    attempt_count = models.PositiveIntegerField(default=0)
+    not_before = models.DateTimeField(null=True, blank=True)
+    first_scheduled_at = models.DateTimeField(null=True, blank=True)
+
+    external_id = models.CharField(max_length=200, blank=True)
+    result = models.JSONField(null=True, blank=True)
+    failure_class = models.CharField(max_length=40, blank=True)
+    failure_message = models.TextField(blank=True)
+
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["run", "position"]
+        constraints = [
+            models.UniqueConstraint(fields=["run", "key"], name="step_unique_key"),
+            models.UniqueConstraint(fields=["run", "position"], name="step_unique_position"),
+            models.CheckConstraint(condition=Q(state__in=State.values), name="step_state_valid"),
+            models.CheckConstraint(condition=Q(version__gte=1), name="step_version_positive"),
+            # A lease exists exactly while a worker holds the step.
+            models.CheckConstraint(
+                condition=(
+                    Q(state__in=[State.RUNNING, State.VERIFYING], lease_expires_at__isnull=False)
+                    & ~Q(lease_owner="")
+                )
+                | (
+                    ~Q(state__in=[State.RUNNING, State.VERIFYING])
+                    & Q(lease_expires_at__isnull=True, lease_owner="")
+                ),
+                name="step_lease_iff_leased_state",
+            ),
+            models.CheckConstraint(
+                condition=~Q(state__in=[State.FAILED, State.DEAD]) | ~Q(failure_class=""),
+                name="step_failure_has_class",
+            ),
+            models.CheckConstraint(
+                condition=Q(compensates__isnull=True) | ~Q(compensates=models.F("id")),
+                name="step_not_self_compensating",
+            ),
+            models.CheckConstraint(
+                condition=~Q(state=State.RUNNING) | Q(fence__gte=1),
+                name="step_running_is_fenced",
+            ),
+        ]
+        indexes = [
+            # The inbox: what waits for a person, newest first.
+            models.Index(fields=["state", "updated_at"], name="step_state_updated"),
+            # Due work: pending steps by not_before.
+            models.Index(
+                fields=["not_before"],
+                condition=Q(state=State.PENDING),
+                name="step_due",
+            ),
+            # Expired leases.
+            models.Index(
+                fields=["lease_expires_at"],
+                condition=Q(state__in=[State.RUNNING, State.VERIFYING]),
+                name="step_leased",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.key} ({self.tool_id}, {self.state})"
+
+    @property
+    def failure(self) -> dict[str, str] | None:
+        if not self.failure_class:
+            return None
+        return {"class": self.failure_class, "message": self.failure_message}
+
+
+class Phase(models.TextChoices):
+    CLAIMED = "claimed"
+    SUBMITTING = "submitting"
+    RESPONDED = "responded"
+    # Closed without a response: the error is classified in error_class.
+    ERRORED = "errored"
+    # Closed by recovery or a pause; nothing more will be written by its worker.
+    ABANDONED = "abandoned"
+
+
+OPEN_PHASES = (Phase.CLAIMED, Phase.SUBMITTING)
+
+
+class Attempt(models.Model):
+    step = models.ForeignKey(Step, on_delete=models.PROTECT, related_name="attempts")
+    number = models.PositiveIntegerField()
+    fence = models.PositiveIntegerField()
+    worker = models.CharField(max_length=200)
+    phase = models.CharField(max_length=20, choices=Phase.choices, default=Phase.CLAIMED)
+    request_evidence = models.JSONField(null=True, blank=True)
+    response_evidence = models.JSONField(null=True, blank=True)
+    error_class = models.CharField(max_length=40, blank=True)
+    error_message = models.TextField(blank=True)
+    cost = models.DecimalField(max_digits=14, decimal_places=4, default=Decimal(0))
+    # A write this worker tried after its lease was taken over, refused by the fence.
+    fenced_out_at = models.DateTimeField(null=True, blank=True)
+    fenced_out_write = models.CharField(max_length=200, blank=True)
+    claimed_at = models.DateTimeField(auto_now_add=True)
+    submitted_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["step", "number"]
+        constraints = [
+            models.UniqueConstraint(fields=["step", "number"], name="attempt_unique_number"),
+            models.UniqueConstraint(fields=["step", "fence"], name="attempt_unique_fence"),
+            models.UniqueConstraint(
+                fields=["step"],
+                condition=Q(phase__in=OPEN_PHASES),
+                name="attempt_one_open_per_step",
+            ),
+            models.CheckConstraint(condition=Q(phase__in=Phase.values), name="attempt_phase_valid"),
+            models.CheckConstraint(
+                condition=~Q(phase__in=[Phase.SUBMITTING, Phase.RESPONDED])
+                | Q(submitted_at__isnull=False),
+                name="attempt_submitted_has_time",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"attempt {self.number} of {self.step_id}"
+
+
+class Event(models.Model):
+    """One state change, append-only, hash-chained per step.
+
+    `seq` equals the step's version after the move, so a step's chain has no gaps and the
+    (step, seq) constraint refuses a second event for one version.
+    """
+
+    run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="events")
+    step = models.ForeignKey(Step, on_delete=models.PROTECT, related_name="events")
+    seq = models.PositiveIntegerField()
+    from_state = models.CharField(max_length=20, blank=True)
+    to_state = models.CharField(max_length=20)
+    actor = models.CharField(max_length=200)
+    reason = models.TextField(blank=True)
+    data = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField()
+    prev_hash = models.CharField(max_length=64, blank=True)
+    hash = models.CharField(max_length=64)
+
+    class Meta:
+        ordering = ["step", "seq"]
+        constraints = [
+            models.UniqueConstraint(fields=["step", "seq"], name="event_unique_seq"),
+        ]
+        indexes = [models.Index(fields=["run", "created_at"], name="event_run_time")]
+
+    def __str__(self) -> str:
+        return f"{self.from_state or '∅'} → {self.to_state} by {self.actor}"
+
+    def content(self) -> dict[str, Any]:
+        return {
+            "step": str(self.step_id),
+            "seq": self.seq,
+            "from": self.from_state,
+            "to": self.to_state,
+            "actor": self.actor,
+            "reason": self.reason,
+            "data": self.data,
+            "at": self.created_at.isoformat(),
+            "prev": self.prev_hash,
+        }
+
+
+class Approval(models.Model):
+    """Who approved which exact call. It authorizes one execution of that call only."""
+
+    step = models.ForeignKey(Step, on_delete=models.PROTECT, related_name="approvals")
+    input_hash = models.CharField(max_length=64)
+    tool = models.CharField(max_length=100)
+    policy_version = models.CharField(max_length=64)
+    approver = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="approvals",
+        help_text="Empty when the tool's policy approved the step.",
+    )
+    reason = models.TextField(blank=True)
+    approved_at = models.DateTimeField()
+    expires_at = models.DateTimeField(null=True, blank=True)
+    # Set when the approval is used up or replaced.
+    consumed_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-approved_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["step"],
+                condition=Q(consumed_at__isnull=True, revoked_at__isnull=True),
+                name="approval_one_live_per_step",
+            ),
+            models.CheckConstraint(
+                condition=Q(approver__isnull=True) | Q(expires_at__isnull=False),
+                name="approval_by_person_expires",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"approval of {self.step_id} by {self.approver or 'policy'}"
+
+
+class DrillReport(models.Model):
+    version = models.CharField(max_length=100)
+    started_at = models.DateTimeField()
+    finished_at = models.DateTimeField(null=True, blank=True)
+    parameters = models.JSONField(default=dict)
+    interruption_points = models.JSONField(default=dict)
+    counts = models.JSONField(default=dict)
+    duplicates = models.PositiveIntegerField(default=0)
+    lost = models.PositiveIntegerField(default=0)
+    left_for_review = models.PositiveIntegerField(default=0)
+    elapsed_seconds = models.FloatField(default=0)
+    passed = models.BooleanField(default=False)
+    notes = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["-started_at"]
+
+    def __str__(self) -> str:
+        return f"drill {self.started_at:%Y-%m-%d %H:%M} {'passed' if self.passed else 'FAILED'}"
+
+
+class SweeperLease(models.Model):
+    """A named lease that one sweeper at a time holds, so two sweepers never act twice.
+
+    It expires on its own, so a stuck sweep cannot stop the next one for longer than its
+    lease; `fence` grows with every take-over.
+    """
+
+    name = models.CharField(max_length=100, primary_key=True)
+    owner = models.CharField(max_length=200, blank=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    fence = models.PositiveIntegerField(default=0)
+    last_finished_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.name} held by {self.owner or 'nobody'}"
+
+
+class RunEvent(models.Model):
+    """Append-only record of what happened to a run: paused, resumed, budget extended, cancelled."""
+
+    run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="run_events")
+    action = models.CharField(max_length=40)
+    actor = models.CharField(max_length=200)
+    reason = models.TextField(blank=True)
+    data = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["run", "created_at", "id"]
+        indexes = [models.Index(fields=["run", "created_at"], name="runevent_run_time")]
+
+    def __str__(self) -> str:
+        return f"{self.action} by {self.actor}"

@@ -1,0 +1,345 @@
+"""Reads for the API and the console; each answers in a fixed number of queries."""
+
+from __future__ import annotations
+
+import base64
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from decimal import Decimal
+from typing import Any
+
+from django.db.models import Count, Q, QuerySet, Sum, TextChoices
+from django.utils import timezone
+
+from executor.models import Agent, Attempt, Event, Run, RunStatus, Step
+from executor.states import State
+
+
+def runs_for_agent(*, agent: Agent) -> QuerySet[Run]:
+    return Run.objects.filter(workspace_id=agent.workspace_id)
+
+
+def steps_for_agent(*, agent: Agent) -> QuerySet[Step]:
+    return Step.objects.filter(run__workspace_id=agent.workspace_id)
+
+
+def run_counts(*, run: Run) -> dict[str, int]:
+    rows = Step.objects.filter(run=run).values("state").annotate(n=Count("id")).order_by()
+    return {row["state"]: row["n"] for row in rows}
+
+
+def run_elapsed_seconds(*, run: Run) -> float:
+    return round((timezone.now() - run.created_at).total_seconds(), 3)
+
+
+def run_usage(*, run: Run) -> dict[str, Any]:
+    return {
+        "calls": run.used_calls,
+        "cost": float(run.used_cost),
+        "elapsed_seconds": run_elapsed_seconds(run=run),
+    }
+
+
+def run_budget(*, run: Run) -> dict[str, Any]:
+    return {
+        "max_calls": run.max_calls,
+        "max_cost": float(run.max_cost) if run.max_cost is not None else None,
+        "deadline": run.deadline,
+    }
+
+
+def run_attempt_usage(*, run: Run) -> dict[str, Any]:
+    """Calls and cost as the attempts table counts them (a submission is a call)."""
+    totals = Attempt.objects.filter(step__run=run, submitted_at__isnull=False).aggregate(
+        calls=Count("id"), cost=Sum("cost")
+    )
+    return {"calls": totals["calls"], "cost": float(totals["cost"] or Decimal(0))}
+
+
+REPORT_SECTIONS: dict[str, tuple[State, ...]] = {
+    "completed": (State.COMPLETED,),
+    "uncertain": (State.UNKNOWN, State.RUNNING, State.VERIFYING),
+    "failed": (State.FAILED, State.DEAD, State.BLOCKED, State.REJECTED, State.CANCELLED),
+    "compensated": (State.COMPENSATED,),
+    "pending": (State.PLANNED, State.APPROVED, State.PENDING),
+}
+
+
+def step_evidence(step: Step) -> dict[str, Any]:
+    evidence: dict[str, Any] = {}
+    if step.external_id:
+        evidence["external_id"] = step.external_id
+    if step.failure_class:
+        evidence["failure"] = {"class": step.failure_class, "message": step.failure_message}
+    if step.attempt_count:
+        evidence["attempts"] = step.attempt_count
+    return evidence
+
+
+def run_report(*, run: Run) -> dict[str, Any]:
+    """What a person reads after a run: each step in its section, usage, one summary line."""
+    section_of = {state: name for name, states in REPORT_SECTIONS.items() for state in states}
+    report: dict[str, Any] = {name: [] for name in REPORT_SECTIONS}
+    steps = (
+        Step.objects.filter(run=run)
+        .only(
+            "id",
+            "key",
+            "tool",
+            "state",
+            "external_id",
+            "failure_class",
+            "failure_message",
+            "attempt_count",
+            "position",
+        )
+        .order_by("position")
+    )
+    for step in steps:
+        report[section_of[State(step.state)]].append(
+            {
+                "step_id": str(step.pk),
+                "key": step.key,
+                "tool": step.tool_id,
+                "state": step.state,
+                "external_id": step.external_id,
+                "evidence": step_evidence(step),
+            }
+        )
+    usage = run_usage(run=run)
+    usage["attempts"] = run_attempt_usage(run=run)
+    report["usage"] = usage
+    report["summary"] = report_summary(report)
+    return report
+
+
+def report_summary(report: dict[str, Any]) -> str:
+    parts = [f"{len(report[name])} {name}" for name in REPORT_SECTIONS if report[name]]
+    if not parts:
+        return "No steps yet."
+    line = ", ".join(parts)
+    unknown = [e for e in report["uncertain"] if e["state"] == State.UNKNOWN]
+    if unknown:
+        keys = ", ".join(f"`{e['key']}`" for e in unknown[:3])
+        line += f"; may or may not have happened: {keys}; a reviewer has it"
+    return line + "."
+
+
+# --- the reviewers' console (DESIGN.md §12) ------------------------------------------------
+#
+# Each read takes the ids of the workspaces the reviewer may see, so the permission is
+# decided once per request by the caller and every query stays a single statement.
+
+
+class InboxKind(TextChoices):
+    UNKNOWN = "unknown", "Unknown outcome"
+    APPROVAL = "approval", "Awaiting approval"
+    COMPENSATION = "compensation", "Compensation requests"
+    DEAD = "dead", "Dead letters"
+    BLOCKED = "blocked", "Blocked"
+
+
+INBOX_KIND_Q: dict[str, Q] = {
+    InboxKind.UNKNOWN: Q(state=State.UNKNOWN),
+    InboxKind.APPROVAL: Q(state=State.PLANNED, compensates__isnull=True),
+    InboxKind.COMPENSATION: Q(state=State.PLANNED, compensates__isnull=False),
+    InboxKind.DEAD: Q(state=State.DEAD),
+    InboxKind.BLOCKED: Q(state=State.BLOCKED),
+}
+INBOX_STATES = (State.UNKNOWN, State.PLANNED, State.DEAD, State.BLOCKED)
+
+
+def inbox_kind_of(step: Step) -> str:
+    if step.state == State.PLANNED:
+        return InboxKind.COMPENSATION if step.compensates_id else InboxKind.APPROVAL
+    return str(step.state)
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """A keyset position (time, id): opaque in URLs, so `+` in an ISO offset survives."""
+
+    at: datetime
+    pk: str
+
+    def encode(self) -> str:
+        raw = f"{self.at.isoformat()}|{self.pk}".encode()
+        return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+    @classmethod
+    def decode(cls, text: str) -> Cursor | None:
+        """The cursor, or None for anything that is not one (the first page, then)."""
+        if not text:
+            return None
+        try:
+            raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode()
+            at_text, pk_text = raw.split("|", 1)
+            at = datetime.fromisoformat(at_text)
+            pk = str(uuid.UUID(pk_text))
+        except (ValueError, UnicodeDecodeError):
+            return None
+        if at.tzinfo is None:
+            return None
+        return cls(at=at, pk=pk)
+
+
+@dataclass(frozen=True)
+class InboxFilter:
+    workspace_ids: tuple[int, ...]
+    workspace_id: int | None = None
+    tool: str = ""
+    kind: str = ""
+    older_than: timedelta | None = None
+
+    def narrowing(self, now: datetime) -> Q:
+        """Everything but the kind and the visibility, as one condition."""
+        condition = Q()
+        if self.workspace_id is not None:
+            condition &= Q(run__workspace_id=self.workspace_id)
+        if self.tool:
+            condition &= Q(tool_id=self.tool)
+        if self.older_than is not None:
+            condition &= Q(updated_at__lt=now - self.older_than)
+        return condition
+
+
+def _inbox_visible(workspace_ids: tuple[int, ...]) -> QuerySet[Step]:
+    return Step.objects.filter(state__in=INBOX_STATES, run__workspace_id__in=workspace_ids)
+
+
+def inbox_counts(*, inbox: InboxFilter, now: datetime | None = None) -> dict[str, dict[str, int]]:
+    """Steps waiting per kind, in one query: `all` that the reviewer may see, `shown`
+    under the filter's workspace, tool and age (every kind, so each tab has its number)."""
+    now = now or timezone.now()
+    narrowing = inbox.narrowing(now)
+    aggregates: dict[str, Any] = {}
+    for kind, condition in INBOX_KIND_Q.items():
+        aggregates[f"all_{kind}"] = Count("pk", filter=condition)
+        aggregates[f"shown_{kind}"] = Count("pk", filter=condition & narrowing)
+    row = _inbox_visible(inbox.workspace_ids).aggregate(**aggregates)
+    return {
+        scope: {kind: row[f"{scope}_{kind}"] or 0 for kind in INBOX_KIND_Q}
+        for scope in ("all", "shown")
+    }
+
+
+def inbox_page(
+    *, inbox: InboxFilter, after: Cursor | None = None, size: int = 25, now: datetime | None = None
+) -> tuple[list[Step], Cursor | None]:
+    """One page of waiting steps, longest waiting first, and the cursor of the next page.
+
+    Keyset on (updated_at, id), so a page costs the same wherever it is and a reviewer's
+    place holds while new steps arrive.
+    """
+    now = now or timezone.now()
+    steps = _inbox_visible(inbox.workspace_ids).filter(inbox.narrowing(now))
+    if inbox.kind:
+        steps = steps.filter(INBOX_KIND_Q[inbox.kind])
+    if after is not None:
+        steps = steps.filter(
+            Q(updated_at__gt=after.at) | Q(updated_at=after.at, pk__gt=uuid.UUID(after.pk))
+        )
+    rows = list(
+        steps.select_related("run", "run__workspace")
+        .defer("input", "result", "run__pause_reason")
+        .order_by("updated_at", "pk")[: size + 1]
+    )
+    if len(rows) <= size:
+        return rows, None
+    last = rows[size - 1]
+    return rows[:size], Cursor(at=last.updated_at, pk=str(last.pk))
+
+
+def paused_runs(
+    *, workspace_ids: tuple[int, ...], workspace_id: int | None = None, limit: int = 10
+) -> list[Run]:
+    runs = Run.objects.filter(workspace_id__in=workspace_ids, status=RunStatus.PAUSED)
+    if workspace_id is not None:
+        runs = runs.filter(workspace_id=workspace_id)
+    return list(runs.select_related("workspace", "agent").order_by("updated_at", "pk")[:limit])
+
+
+def paused_run_counts(
+    *, workspace_ids: tuple[int, ...], workspace_id: int | None = None
+) -> dict[str, int]:
+    """Paused runs the reviewer may see (`all`) and under the workspace filter (`shown`)."""
+    shown = Q() if workspace_id is None else Q(workspace_id=workspace_id)
+    row = Run.objects.filter(workspace_id__in=workspace_ids, status=RunStatus.PAUSED).aggregate(
+        all=Count("pk"), shown=Count("pk", filter=shown)
+    )
+    return {"all": row["all"] or 0, "shown": row["shown"] or 0}
+
+
+def steps_visible(*, step_ids: list[str], workspace_ids: tuple[int, ...]) -> dict[str, Step]:
+    """The steps among `step_ids` that the reviewer may see, by id."""
+    steps = Step.objects.filter(pk__in=step_ids, run__workspace_id__in=workspace_ids)
+    return {str(step.pk): step for step in steps.select_related("run", "run__workspace")}
+
+
+@dataclass(frozen=True)
+class TimelineEntry:
+    at: datetime
+    event: Event | None = None
+    attempt: Attempt | None = None
+
+    @property
+    def kind(self) -> str:
+        return "event" if self.event is not None else "attempt"
+
+
+def step_timeline(*, step: Step) -> list[TimelineEntry]:
+    """The step's Events and Attempts merged by time, in two queries.
+
+    An attempt sits at its claim; the claim's event (pending → running) is written in the
+    same transaction, so at equal times the event comes first.
+    """
+    entries = [TimelineEntry(at=e.created_at, event=e) for e in step.events.order_by("seq")]
+    entries += [TimelineEntry(at=a.claimed_at, attempt=a) for a in step.attempts.all()]
+
+    def order(entry: TimelineEntry) -> tuple[datetime, int, int]:
+        if entry.event is not None:
+            return (entry.at, 0, entry.event.seq)
+        assert entry.attempt is not None
+        return (entry.at, 1, entry.attempt.number)
+
+    return sorted(entries, key=order)
+
+
+REVIEW_STATES = (State.UNKNOWN, State.PLANNED, State.DEAD, State.BLOCKED)
+DONE_STATES = (State.COMPLETED, State.COMPENSATED)
+FAILED_STATES = (State.FAILED, State.REJECTED, State.CANCELLED)
+
+
+def runs_page(
+    *,
+    workspace_ids: tuple[int, ...],
+    workspace_id: int | None = None,
+    status: str = "",
+    after: Cursor | None = None,
+    size: int = 25,
+) -> tuple[list[Run], Cursor | None]:
+    """Newest runs first with their step counts (one query), and the next page's cursor."""
+    runs = Run.objects.filter(workspace_id__in=workspace_ids)
+    if workspace_id is not None:
+        runs = runs.filter(workspace_id=workspace_id)
+    if status:
+        runs = runs.filter(status=status)
+    if after is not None:
+        runs = runs.filter(
+            Q(created_at__lt=after.at) | Q(created_at=after.at, pk__lt=uuid.UUID(after.pk))
+        )
+    rows: list[Run] = list(
+        runs.select_related("workspace", "agent")
+        .annotate(
+            steps_total=Count("steps"),
+            steps_done=Count("steps", filter=Q(steps__state__in=DONE_STATES)),
+            steps_waiting=Count("steps", filter=Q(steps__state__in=REVIEW_STATES)),
+            steps_failed=Count("steps", filter=Q(steps__state__in=FAILED_STATES)),
+        )
+        .order_by("-created_at", "-pk")[: size + 1]
+    )
+    if len(rows) <= size:
+        return rows, None
+    last = rows[size - 1]
+    return rows[:size], Cursor(at=last.created_at, pk=str(last.pk))

@@ -1,0 +1,820 @@
+"""Writes for agents, reviewers and operators. Every state change goes through transitions."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterable
+from datetime import timedelta
+from decimal import Decimal
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import User
+from django.db import IntegrityError, transaction
+from django.db.models import F, Max, TextChoices
+from django.utils import timezone
+from guardian.shortcuts import assign_perm
+
+from executor import transitions
+from executor.models import (
+    AGENT_WORKSPACE_PERMISSIONS,
+    REVIEWER_PERMISSIONS,
+    Agent,
+    Approval,
+    Effect,
+    Idempotency,
+    Run,
+    RunEvent,
+    RunStatus,
+    Step,
+    Tool,
+    Workspace,
+)
+from executor.states import State
+from executor.tools.base import all_tools, get_tool
+
+
+class ServiceError(Exception):
+    """A refused request; `code` is the API's error code."""
+
+    code = "invalid"
+
+    def __init__(self, message: str, details: Any = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+
+class NotPermitted(ServiceError):
+    code = "forbidden"
+
+
+class Conflict(ServiceError):
+    code = "conflict"
+
+
+class Invalid(ServiceError):
+    code = "invalid_body"
+
+
+AGENT_NAME = re.compile(r"[A-Za-z0-9._-]{1,60}")
+
+
+def canonical_hash(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def agent_actor(agent: Agent) -> str:
+    return f"agent:{agent.name}"
+
+
+def user_actor(user: User) -> str:
+    return f"user:{user.get_username()}"
+
+
+# --- tools ------------------------------------------------------------------------------
+
+
+def tools_sync(*, using: str = "default") -> None:
+    """Mirrors the registry into the Tool table, so permissions can be granted per tool."""
+    registered = set()
+    for tool in all_tools():
+        registered.add(tool.name)
+        Tool.objects.using(using).update_or_create(
+            name=tool.name,
+            defaults={
+                "effect": tool.effect,
+                "idempotency": tool.idempotency,
+                "requires_approval": tool.requires_approval,
+                "compensation": tool.compensation,
+                "has_lookup": tool.has_lookup(),
+                "policy_version": tool.policy_version(),
+                "registered": True,
+            },
+        )
+    Tool.objects.using(using).exclude(name__in=registered).update(registered=False)
+
+
+# --- workspaces, agents and reviewers ----------------------------------------------------
+
+
+def workspace_get_or_create(*, slug: str, name: str = "") -> Workspace:
+    workspace, _ = Workspace.objects.get_or_create(slug=slug, defaults={"name": name or slug})
+    return workspace
+
+
+def agent_create(*, workspace: Workspace, name: str) -> tuple[Agent, str]:
+    """Creates an agent with `submit_steps` on its workspace and `use_tool` on every tool.
+
+    Returns the agent and its token, which is never stored and never shown again.
+    """
+    if not AGENT_NAME.fullmatch(name):
+        raise Invalid("an agent's name is 1 to 60 letters, digits, '.', '_' or '-'", {"name": name})
+    user_model = get_user_model()
+    with transaction.atomic():
+        tools_sync()
+        username = f"agent.{workspace.slug}.{name}"
+        if user_model.objects.filter(username=username).exists():
+            raise Conflict(f"an agent named {name!r} already exists in {workspace.slug}")
+        user = user_model.objects.create_user(username=username)
+        user.set_unusable_password()
+        user.save(update_fields=["password"])
+        agent = Agent(workspace=workspace, name=name, user=user)
+        token = agent.set_new_token()
+        agent.save()
+        for permission in AGENT_WORKSPACE_PERMISSIONS:
+            assign_perm(f"executor.{permission}", user, workspace)
+        for tool in Tool.objects.filter(registered=True):
+            assign_perm("executor.use_tool", user, tool)
+    return agent, token
+
+
+def agent_set_active(*, agent: Agent, active: bool) -> Agent:
+    """Deactivating an agent stops its work at the next claim (its steps become blocked)."""
+    Agent.objects.filter(pk=agent.pk).update(is_active=active)
+    agent.is_active = active
+    return agent
+
+
+def agent_rotate_token(*, agent: Agent) -> str:
+    token = agent.set_new_token()
+    agent.save(update_fields=["token_hash", "token_prefix"])
+    return token
+
+
+def reviewer_create(*, workspace: Workspace, username: str, password: str | None = None) -> User:
+    """A console user with every reviewer permission on `workspace` (created or updated)."""
+    user_model = get_user_model()
+    if Agent.objects.filter(user__username=username).exists():
+        raise Conflict(f"{username} is an agent's account; it cannot be a reviewer")
+    with transaction.atomic():
+        user, created = user_model.objects.get_or_create(username=username)
+        if password:
+            user.set_password(password)
+            user.save(update_fields=["password"])
+        elif created:
+            user.set_unusable_password()
+            user.save(update_fields=["password"])
+        for permission in REVIEWER_PERMISSIONS:
+            assign_perm(f"executor.{permission}", user, workspace)
+    return user
+
+
+# --- runs -------------------------------------------------------------------------------
+
+
+def run_create(
+    *,
+    agent: Agent,
+    name: str,
+    key: str | None = None,
+    max_calls: int | None = None,
+    max_cost: Decimal | None = None,
+    deadline_seconds: float | None = None,
+) -> tuple[Run, bool]:
+    """Creates a run, or returns the agent's existing run with the same `key` (created=False)."""
+    if not agent.user.has_perm("executor.submit_steps", agent.workspace):
+        raise NotPermitted("this agent may not submit work in its workspace")
+    if key is not None:
+        existing = Run.objects.filter(agent=agent, key=key).first()
+        if existing is not None:
+            return existing, False
+    now = timezone.now()
+    run = Run(
+        workspace_id=agent.workspace_id,
+        agent=agent,
+        name=name,
+        key=key,
+        max_calls=max_calls,
+        max_cost=max_cost,
+        deadline=now + timedelta(seconds=deadline_seconds) if deadline_seconds else None,
+    )
+    try:
+        with transaction.atomic():
+            run.save(force_insert=True)
+    except IntegrityError:
+        # A concurrent request with the same key won the race: answer with its run.
+        existing = Run.objects.filter(agent=agent, key=key).first()
+        if existing is None:
+            raise
+        return existing, False
+    return run, True
+
+
+def run_cancel(*, run: Run, actor: str, reason: str = "") -> Run:
+    """Cancels the run: nothing more starts; steps already submitted finish their attempt."""
+    with transaction.atomic():
+        locked = Run.objects.select_for_update().get(pk=run.pk)
+        if locked.status == RunStatus.CLOSED:
+            raise Conflict("the run is closed; there is nothing left to cancel")
+        if locked.status != RunStatus.CANCELLED:
+            locked.status = RunStatus.CANCELLED
+            locked.pause_reason = ""
+            locked.version += 1
+            locked.save(update_fields=["status", "pause_reason", "version", "updated_at"])
+            RunEvent.objects.create(run=locked, action="cancelled", actor=actor, reason=reason)
+        cancellable = (State.PLANNED, State.APPROVED, State.PENDING, State.BLOCKED)
+        for step in Step.objects.filter(run=locked, state__in=cancellable):
+            try:
+                transitions.move(
+                    step, State.CANCELLED, actor=actor, reason=reason or "run cancelled"
+                )
+            except transitions.StaleStep:
+                # A worker claimed it meanwhile; its claim sees the cancelled run and stops.
+                continue
+    return locked
+
+
+# --- steps ------------------------------------------------------------------------------
+
+
+def step_post(
+    *,
+    agent: Agent,
+    run: Run,
+    key: str,
+    tool_name: str,
+    input: dict[str, Any],
+    summary: str | None = None,
+    depends_on: list[str] | None = None,
+) -> tuple[Step, bool]:
+    """Records a step the agent wants done; returns (step, created).
+
+    Posting is idempotent on `key`: the same key with the same call returns the existing
+    step, the same key with another call is a Conflict. A tool that needs approval leaves
+    the step `planned`; any other is approved by policy and is `pending` once its
+    dependencies are completed.
+    """
+    depends_on = list(depends_on or [])
+    try:
+        tool = get_tool(tool_name)
+    except LookupError:
+        raise Invalid(f"unknown tool {tool_name!r}", {"tool": tool_name}) from None
+    input_hash = canonical_hash({"tool": tool_name, "input": input})
+    existing = Step.objects.filter(run=run, key=key).first()
+    if existing is not None:
+        return _same_step_or_conflict(existing, input_hash, depends_on), False
+
+    if run.status in (RunStatus.CANCELLED, RunStatus.CLOSED):
+        raise Conflict(f"run is {run.status}; it takes no new steps")
+    errors = tool.validate_input(input)
+    if errors:
+        raise Invalid(f"input does not fit the schema of {tool_name}", {"input": errors})
+    if key in depends_on:
+        raise Invalid("a step cannot depend on itself", {"depends_on": [key]})
+    if len(set(depends_on)) != len(depends_on):
+        raise Invalid("depends_on repeats a key", {"depends_on": depends_on})
+    user = agent.user
+    if not user.has_perm("executor.submit_steps", run.workspace):
+        raise NotPermitted("this agent may not submit steps in its workspace")
+    tool_row = Tool.objects.filter(name=tool_name, registered=True).first()
+    if tool_row is None or not user.has_perm("executor.use_tool", tool_row):
+        raise NotPermitted(f"this agent may not use the tool {tool_name!r}")
+
+    now = timezone.now()
+    actor = agent_actor(agent)
+    try:
+        with transaction.atomic():
+            # Serializes posts to one run, so positions have no gaps or clashes.
+            Run.objects.select_for_update().filter(pk=run.pk).first()
+            known = set(
+                Step.objects.filter(run=run, key__in=depends_on).values_list("key", flat=True)
+            )
+            missing = [k for k in depends_on if k not in known]
+            if missing:
+                raise Invalid(
+                    "depends_on names steps not posted to this run", {"depends_on": missing}
+                )
+            last = Step.objects.filter(run=run).aggregate(last=Max("position"))["last"]
+            step = Step(
+                run=run,
+                position=(last or 0) + 1,
+                key=key,
+                tool_id=tool_name,
+                input=input,
+                input_hash=input_hash,
+                input_summary=(summary or tool.summarize(input))[:2000],
+                depends_on=depends_on,
+            )
+            transitions.insert(step, actor=actor, reason="posted by the agent", now=now)
+            if not tool.needs_approval():
+                step_approve_by_policy(step=step, now=now)
+                steps_promote_ready(run=run, steps=[step], now=now)
+    except IntegrityError:
+        existing = Step.objects.filter(run=run, key=key).first()
+        if existing is None:
+            raise
+        return _same_step_or_conflict(existing, input_hash, depends_on), False
+    return step, True
+
+
+def _same_step_or_conflict(existing: Step, input_hash: str, depends_on: list[str]) -> Step:
+    if existing.input_hash == input_hash and list(existing.depends_on) == depends_on:
+        return existing
+    raise Conflict(
+        f"step {existing.key!r} already exists with another call",
+        {"step_id": str(existing.pk)},
+    )
+
+
+def step_record_policy_approval(*, step: Step, now: Any) -> Approval:
+    tool = get_tool(step.tool_id)
+    return Approval.objects.create(
+        step=step,
+        input_hash=step.input_hash,
+        tool=step.tool_id,
+        policy_version=tool.policy_version(),
+        approver=None,
+        reason="the tool's policy needs no approval",
+        approved_at=now,
+    )
+
+
+def step_approve_by_policy(*, step: Step, now: Any = None) -> Step:
+    tool = get_tool(step.tool_id)
+    now = now or timezone.now()
+    step_record_policy_approval(step=step, now=now)
+    return transitions.move(
+        step,
+        State.APPROVED,
+        actor="policy",
+        reason="the tool's policy needs no approval",
+        data={"policy_version": tool.policy_version()},
+        now=now,
+    )
+
+
+DEPENDENCY_DEAD_ENDS = frozenset({State.REJECTED, State.CANCELLED, State.COMPENSATED})
+
+
+def steps_promote_ready(
+    *, run: Run, steps: Iterable[Step] | None = None, now: Any = None
+) -> list[Step]:
+    """Moves approved steps whose dependencies are completed to pending.
+
+    A step whose dependency can never complete (rejected, cancelled, compensated) is
+    cancelled with that reason rather than left waiting forever. Returns the steps made
+    pending.
+    """
+    now = now or timezone.now()
+    waiting = (
+        list(steps)
+        if steps is not None
+        else list(Step.objects.filter(run=run, state=State.APPROVED))
+    )
+    waiting = [s for s in waiting if s.state == State.APPROVED]
+    if not waiting:
+        return []
+    needed = {key for step in waiting for key in step.depends_on}
+    states = (
+        dict(Step.objects.filter(run=run, key__in=needed).values_list("key", "state"))
+        if needed
+        else {}
+    )
+    promoted = []
+    for step in waiting:
+        dead_ends = [k for k in step.depends_on if states.get(k) in DEPENDENCY_DEAD_ENDS]
+        try:
+            if dead_ends:
+                transitions.move(
+                    step,
+                    State.CANCELLED,
+                    actor="policy",
+                    reason=f"dependency {', '.join(dead_ends)} will never complete",
+                    now=now,
+                )
+            elif all(states.get(k) == State.COMPLETED for k in step.depends_on):
+                transitions.move(
+                    step,
+                    State.PENDING,
+                    actor="policy",
+                    reason="approved; dependencies completed" if step.depends_on else "approved",
+                    changes={"not_before": now, "first_scheduled_at": now},
+                    now=now,
+                )
+                promoted.append(step)
+        except transitions.StaleStep:
+            continue
+    dispatch_after_commit([step.pk for step in promoted])
+    return promoted
+
+
+def dispatch_after_commit(step_ids: list[Any]) -> None:
+    """Tells the workers about due steps once the transaction commits (a hint only)."""
+    from executor import tasks
+
+    for step_id in step_ids:
+        tasks.send_execute(step_id)
+
+
+def compensation_completed(*, step: Step, now: Any = None) -> None:
+    """A completed compensation step makes the step it undoes `compensated`."""
+    if step.compensates_id is None:
+        return
+    original = Step.objects.filter(pk=step.compensates_id, state=State.COMPLETED).first()
+    if original is None:
+        return
+    transitions.move(
+        original,
+        State.COMPENSATED,
+        actor="policy",
+        reason=f"compensation {step.key} completed",
+        data={"compensation_step": str(step.pk), "external_id": step.external_id},
+        now=now,
+    )
+
+
+# --- reviewers' decisions (DESIGN.md §9, §11, §12) ----------------------------------------
+#
+# Every decision names the step version the reviewer saw. The move is conditional on it,
+# so of two reviewers acting on one version exactly one decision lands; the other gets
+# AlreadyHandled naming who acted and when.
+
+
+class AlreadyHandled(Conflict):
+    code = "already_handled"
+
+
+def require_perm(user: User, permission: str, workspace: Workspace) -> None:
+    if not user.is_active or not user.has_perm(f"executor.{permission}", workspace):
+        raise NotPermitted(f"you need the {permission} permission on {workspace.slug}")
+
+
+def require_reason(reason: str) -> str:
+    reason = (reason or "").strip()
+    if not reason:
+        raise Invalid("a decision needs a reason", {"reason": ["required"]})
+    return reason[:2000]
+
+
+def already_handled(step: Step) -> AlreadyHandled:
+    latest = step.events.order_by("-seq").first()
+    if latest is None:
+        return AlreadyHandled("this step changed since you loaded it")
+    return AlreadyHandled(
+        f"already handled by {latest.actor} at {latest.created_at:%Y-%m-%d %H:%M:%S} UTC "
+        f"(now {latest.to_state})",
+        {"actor": latest.actor, "at": latest.created_at.isoformat(), "state": latest.to_state},
+    )
+
+
+def _fresh(step: Step, version: int, *states: State) -> Step:
+    """The step as the ledger has it now, if it is still the version the reviewer saw."""
+    current = Step.objects.select_related("run", "run__workspace", "run__agent").get(pk=step.pk)
+    if current.version != version or (states and current.state not in states):
+        raise already_handled(current)
+    return current
+
+
+def _decide(step: Step, target: State, *, user: User, reason: str, **kwargs: Any) -> Step:
+    try:
+        return transitions.move(step, target, actor=user_actor(user), reason=reason, **kwargs)
+    except transitions.StaleStep:
+        raise already_handled(step) from None
+
+
+def _approve(step: Step, *, user: User, reason: str, now: Any) -> Approval:
+    tool = get_tool(step.tool_id)
+    Approval.objects.filter(step=step, consumed_at__isnull=True, revoked_at__isnull=True).update(
+        revoked_at=now
+    )
+    return Approval.objects.create(
+        step=step,
+        input_hash=step.input_hash,
+        tool=step.tool_id,
+        policy_version=tool.policy_version(),
+        approver=user,
+        reason=reason,
+        approved_at=now,
+        expires_at=now + timedelta(seconds=settings.EXECUTOR_APPROVAL_MAX_AGE),
+    )
+
+
+def approval_permission(step: Step) -> str:
+    return "approve_compensation" if step.compensates_id else "approve_steps"
+
+
+def step_approve(*, step: Step, user: User, version: int, reason: str) -> Step:
+    """planned → approved (→ pending once dependencies are done), bound to this exact call."""
+    reason = require_reason(reason)
+    step = _fresh(step, version, State.PLANNED)
+    require_perm(user, approval_permission(step), step.run.workspace)
+    now = timezone.now()
+    with transaction.atomic():
+        approval = _approve(step, user=user, reason=reason, now=now)
+        _decide(
+            step, State.APPROVED, user=user, reason=reason, data={"approval": approval.pk}, now=now
+        )
+        steps_promote_ready(run=step.run, steps=[step], now=now)
+    return step
+
+
+def step_reject(*, step: Step, user: User, version: int, reason: str) -> Step:
+    reason = require_reason(reason)
+    step = _fresh(step, version, State.PLANNED)
+    require_perm(user, approval_permission(step), step.run.workspace)
+    with transaction.atomic():
+        _decide(step, State.REJECTED, user=user, reason=reason)
+        steps_promote_ready(run=step.run)  # dependents of a rejected step are cancelled
+    return step
+
+
+class Resolution(TextChoices):
+    HAPPENED = "happened", "It happened"
+    RUN_AGAIN = "run_again", "It did not happen: run again"
+    GIVE_UP = "give_up", "It did not happen: give up"
+
+
+def run_again_allowed(step: Step) -> bool:
+    """May a person send an `unknown` step again? (DESIGN.md §7)
+
+    Where repeating is harmless (pure, read, keyed) or the tool's authoritative lookup can
+    be asked. Otherwise a person's "it did not happen" could still be wrong and a second
+    submission would duplicate the effect: they may only give up (failed) or confirm it.
+    """
+    tool = get_tool(step.tool_id)
+    return (
+        tool.effect in (Effect.PURE, Effect.READ)
+        or tool.idempotency == Idempotency.KEY
+        or (tool.has_lookup() and tool.lookup_authoritative)
+    )
+
+
+def step_resolve_unknown(
+    *,
+    step: Step,
+    user: User,
+    version: int,
+    resolution: str,
+    reason: str,
+    external_id: str = "",
+    evidence: str = "",
+) -> Step:
+    """A person's decision on an `unknown` step, with the evidence they found."""
+    reason = require_reason(reason)
+    step = _fresh(step, version, State.UNKNOWN)
+    require_perm(user, "resolve_unknown", step.run.workspace)
+    now = timezone.now()
+    data = {"resolution": resolution, "external_id": external_id, "evidence": evidence[:2000]}
+    with transaction.atomic():
+        if resolution == Resolution.HAPPENED:
+            _decide(
+                step,
+                State.COMPLETED,
+                user=user,
+                reason=reason,
+                data=data,
+                now=now,
+                changes={
+                    "external_id": external_id[:200],
+                    "not_before": None,
+                    "failure_class": "",
+                    "failure_message": "",
+                },
+            )
+            Approval.objects.filter(step=step, consumed_at__isnull=True).update(consumed_at=now)
+            if step.compensates_id:
+                compensation_completed(step=step, now=now)
+            steps_promote_ready(run=step.run, now=now)
+        elif resolution == Resolution.RUN_AGAIN:
+            if not run_again_allowed(step):
+                raise Conflict(
+                    f"{step.tool_id} is not safe to send again and has no authoritative "
+                    "lookup: confirm that it happened, or give up"
+                )
+            _decide(
+                step,
+                State.PENDING,
+                user=user,
+                reason=reason,
+                data=data,
+                now=now,
+                changes={"not_before": now, "failure_class": "", "failure_message": ""},
+            )
+            dispatch_after_commit([step.pk])
+        elif resolution == Resolution.GIVE_UP:
+            _decide(
+                step,
+                State.FAILED,
+                user=user,
+                reason=reason,
+                data=data,
+                now=now,
+                changes={
+                    "not_before": None,
+                    "failure_class": "confirmed_no_effect",
+                    "failure_message": reason,
+                },
+            )
+            Approval.objects.filter(step=step, consumed_at__isnull=True).update(consumed_at=now)
+        else:
+            raise Invalid(f"unknown resolution {resolution!r}", {"resolution": Resolution.values})
+    return step
+
+
+def step_probe(*, step: Step, user: User) -> str:
+    """Runs the tool's lookup on an `unknown` step now ("look it up again")."""
+    from executor import engine
+
+    require_perm(user, "review_steps", step.run.workspace)
+    if step.state != State.UNKNOWN:
+        raise already_handled(step)
+    if not get_tool(step.tool_id).has_lookup():
+        raise Conflict(f"{step.tool_id} has no lookup")
+    return engine.reconcile(step.pk, actor=user_actor(user))
+
+
+def _replay_approval(step: Step, *, user: User, reason: str, now: Any) -> None:
+    """A replay is a new execution: it needs an approval of its own."""
+    if Approval.objects.filter(
+        step=step, consumed_at__isnull=True, revoked_at__isnull=True
+    ).exists():
+        return
+    if get_tool(step.tool_id).needs_approval() or step.compensates_id:
+        require_perm(user, approval_permission(step), step.run.workspace)
+        _approve(step, user=user, reason=reason, now=now)
+    else:
+        step_record_policy_approval(step=step, now=now)
+
+
+def deadletter_replay(*, step: Step, user: User, version: int, reason: str) -> Step:
+    """dead (or failed without a possible effect) → pending, same operation_id.
+
+    The retry deadline starts again: a replay is a person's new decision.
+    """
+    reason = require_reason(reason)
+    step = _fresh(step, version, State.DEAD, State.FAILED)
+    require_perm(user, "replay_deadletter", step.run.workspace)
+    if step.state == State.FAILED and step.failure_class == "ambiguous":
+        raise Conflict("this step may have had an effect; it cannot be replayed")
+    now = timezone.now()
+    with transaction.atomic():
+        _replay_approval(step, user=user, reason=reason, now=now)
+        _decide(
+            step,
+            State.PENDING,
+            user=user,
+            reason=reason,
+            now=now,
+            changes={
+                "not_before": now,
+                "first_scheduled_at": now,
+                "failure_class": "",
+                "failure_message": "",
+            },
+            data={"replayed_from": step.state},
+        )
+        dispatch_after_commit([step.pk])
+    return step
+
+
+def deadletters_replay(
+    *, steps: Iterable[tuple[Step, int]], user: User, reason: str
+) -> tuple[list[Step], list[tuple[Step, str]]]:
+    """Replays many at once; each independently. Returns (replayed, [(step, why not)])."""
+    done, refused = [], []
+    for step, version in steps:
+        try:
+            done.append(deadletter_replay(step=step, user=user, version=version, reason=reason))
+        except ServiceError as error:
+            refused.append((step, error.message))
+    return done, refused
+
+
+def step_resume(*, step: Step, user: User, version: int, reason: str) -> Step:
+    """blocked → pending once the cause is fixed; the claim rechecks everything again.
+
+    Resuming re-approves the exact call in the resuming reviewer's name, because a blocked
+    step's old approval may be the very thing that failed.
+    """
+    reason = require_reason(reason)
+    step = _fresh(step, version, State.BLOCKED)
+    require_perm(user, approval_permission(step), step.run.workspace)
+    now = timezone.now()
+    with transaction.atomic():
+        _approve(step, user=user, reason=reason, now=now)
+        _decide(
+            step,
+            State.PENDING,
+            user=user,
+            reason=reason,
+            now=now,
+            changes={"not_before": now, "failure_message": ""},
+        )
+        dispatch_after_commit([step.pk])
+    return step
+
+
+def compensation_request(*, step: Step, user: User, version: int, reason: str) -> Step:
+    """Creates the step that undoes a completed one; it waits `planned` for approval."""
+    reason = require_reason(reason)
+    step = _fresh(step, version, State.COMPLETED)
+    require_perm(user, "review_steps", step.run.workspace)
+    tool = get_tool(step.tool_id)
+    if not tool.compensation:
+        raise Conflict(f"{step.tool_id} is irreversible: it has no compensation")
+    open_request = step.compensations.exclude(
+        state__in=(State.REJECTED, State.CANCELLED, State.FAILED)
+    ).first()
+    if open_request is not None:
+        raise Conflict(
+            f"a compensation is already {open_request.state}", {"step_id": str(open_request.pk)}
+        )
+    comp_tool = get_tool(tool.compensation)
+    comp_input = tool.compensation_input(step.external_id, step.result)
+    n = step.compensations.count() + 1
+    key = f"{step.key}:compensation" + (f"-{n}" if n > 1 else "")
+    now = timezone.now()
+    with transaction.atomic():
+        last = Step.objects.filter(run=step.run).aggregate(last=Max("position"))["last"]
+        compensation = Step(
+            run=step.run,
+            position=(last or 0) + 1,
+            key=key[:200],
+            tool_id=comp_tool.name,
+            input=comp_input,
+            input_hash=canonical_hash({"tool": comp_tool.name, "input": comp_input}),
+            input_summary=f"undo {step.key}: " + comp_tool.summarize(comp_input),
+            compensates=step,
+        )
+        transitions.insert(
+            compensation,
+            actor=user_actor(user),
+            reason=f"compensation requested: {reason}",
+            now=now,
+        )
+    return compensation
+
+
+def run_extend_budget(
+    *,
+    run: Run,
+    user: User,
+    reason: str,
+    add_calls: int = 0,
+    add_cost: Decimal | None = None,
+    extend_deadline_seconds: float = 0,
+    resume: bool = True,
+) -> Run:
+    """Raises a run's budget and, when asked and the budget now suffices, resumes it."""
+    reason = require_reason(reason)
+    require_perm(user, "extend_budget", run.workspace)
+    if add_calls < 0 or (add_cost is not None and add_cost < 0) or extend_deadline_seconds < 0:
+        raise Invalid("a budget can only be extended")
+    now = timezone.now()
+    with transaction.atomic():
+        locked = Run.objects.select_for_update().get(pk=run.pk)
+        if locked.status in (RunStatus.CANCELLED, RunStatus.CLOSED):
+            raise Conflict(f"the run is {locked.status}")
+        before = {
+            "max_calls": locked.max_calls,
+            "max_cost": str(locked.max_cost),
+            "deadline": locked.deadline.isoformat() if locked.deadline else None,
+        }
+        if add_calls and locked.max_calls is not None:
+            locked.max_calls += add_calls
+        if add_cost and locked.max_cost is not None:
+            locked.max_cost += add_cost
+        if extend_deadline_seconds and locked.deadline is not None:
+            locked.deadline = max(locked.deadline, now) + timedelta(seconds=extend_deadline_seconds)
+        locked.version += 1
+        locked.save(update_fields=["max_calls", "max_cost", "deadline", "version", "updated_at"])
+        RunEvent.objects.create(
+            run=locked,
+            action="budget_extended",
+            actor=user_actor(user),
+            reason=reason,
+            data={
+                "before": before,
+                "add_calls": add_calls,
+                "add_cost": str(add_cost or 0),
+                "extend_deadline_seconds": extend_deadline_seconds,
+            },
+        )
+        if resume and locked.status == RunStatus.PAUSED:
+            from executor import policy
+
+            locked.status = RunStatus.OPEN  # so the check below reads the new budget
+            problem = policy.budget_exhaustion(locked, now=now, fresh=False)
+            if problem:
+                raise Conflict(f"the run cannot resume: {problem}")
+            run_resume(run=locked, actor=user_actor(user), reason=reason, now=now)
+    return locked
+
+
+def run_resume(*, run: Run, actor: str, reason: str, now: Any = None) -> None:
+    """paused → open, and every due step of the run is dispatched again."""
+    now = now or timezone.now()
+    Run.objects.filter(pk=run.pk, status=RunStatus.PAUSED).update(
+        status=RunStatus.OPEN, pause_reason="", version=F("version") + 1, updated_at=now
+    )
+    run.status, run.pause_reason = RunStatus.OPEN, ""
+    RunEvent.objects.create(run=run, action="resumed", actor=actor, reason=reason)
+    Step.objects.filter(run=run, state=State.PENDING).update(not_before=now)
+    dispatch_after_commit(
+        list(Step.objects.filter(run=run, state=State.PENDING).values_list("pk", flat=True))
+    )

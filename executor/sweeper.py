@@ -1,0 +1,135 @@
+"""The sweeper (DESIGN.md §2): what makes a lost message, a dead worker or a passed
+deadline harmless. It holds a short lease of its own, so two sweepers never act twice and
+a stuck sweep stops blocking the next one when its lease runs out.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import F, Q
+from django.utils import timezone
+
+from executor import engine, policy, services
+from executor.models import Run, RunStatus, Step, SweeperLease
+from executor.states import State
+
+logger = logging.getLogger(__name__)
+
+LEASE_NAME = "sweeper"
+BATCH = 500
+
+
+@dataclass
+class SweepReport:
+    recovered: int = 0
+    reconciled: int = 0
+    redispatched: int = 0
+    promoted: int = 0
+    runs_paused: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def lease_ttl() -> timedelta:
+    return timedelta(seconds=max(30.0, settings.EXECUTOR_SWEEP_SECONDS * 6))
+
+
+def take_lease(owner: str) -> bool:
+    now = timezone.now()
+    try:
+        with transaction.atomic():
+            SweeperLease.objects.get_or_create(name=LEASE_NAME)
+    except IntegrityError:
+        pass  # created concurrently
+    free = Q(expires_at__isnull=True) | Q(expires_at__lte=now) | Q(owner=owner)
+    return (
+        SweeperLease.objects.filter(free, name=LEASE_NAME).update(
+            owner=owner, expires_at=now + lease_ttl(), fence=F("fence") + 1
+        )
+        == 1
+    )
+
+
+def release_lease(owner: str) -> None:
+    SweeperLease.objects.filter(name=LEASE_NAME, owner=owner).update(
+        owner="", expires_at=None, last_finished_at=timezone.now()
+    )
+
+
+def sweep(*, owner: str) -> SweepReport | None:
+    """One pass; None when another sweeper holds the lease."""
+    if not take_lease(owner):
+        return None
+    try:
+        return sweep_once(owner=owner)
+    finally:
+        release_lease(owner)
+
+
+def isolated(action: Callable[..., str], step_id: Any, *, actor: str) -> bool:
+    """Runs one step's recovery; a failure is logged and the sweep goes on to the next."""
+    try:
+        return action(step_id, actor=actor) != engine.Outcome.SKIPPED
+    except Exception:
+        logger.exception("sweeper: %s failed on step %s", action.__name__, step_id)
+        return False
+
+
+def sweep_once(*, owner: str) -> SweepReport:
+    report = SweepReport()
+    now = timezone.now()
+    actor = f"sweeper:{owner}"
+
+    expired = Step.objects.filter(
+        state__in=(State.RUNNING, State.VERIFYING), lease_expires_at__lte=now
+    ).values_list("pk", flat=True)[:BATCH]
+    for step_id in expired:
+        if isolated(engine.recover_expired, step_id, actor=actor):
+            report.recovered += 1
+
+    due_lookups = Step.objects.filter(
+        state=State.UNKNOWN, not_before__isnull=False, not_before__lte=now
+    ).values_list("pk", flat=True)[:BATCH]
+    for step_id in due_lookups:
+        if isolated(engine.reconcile, step_id, actor=actor):
+            report.reconciled += 1
+
+    for run in Run.objects.filter(status=RunStatus.OPEN, deadline__lte=now)[:BATCH]:
+        if policy.run_pause(run, reason="the run's deadline passed", now=now):
+            report.runs_paused += 1
+
+    waiting_runs = (
+        Step.objects.filter(state=State.APPROVED, run__status=RunStatus.OPEN)
+        .values_list("run_id", flat=True)
+        .distinct()[:BATCH]
+    )
+    for run in Run.objects.filter(pk__in=list(waiting_runs)):
+        with transaction.atomic():
+            promoted = services.steps_promote_ready(run=run, now=now)
+        report.promoted += len(promoted)
+
+    # A due step untouched for a while has probably lost its message: send another.
+    # A duplicate is harmless (the claim refuses it), a lost one only delays work.
+    grace = timedelta(seconds=settings.EXECUTOR_REDISPATCH_AFTER)
+    lost = Step.objects.filter(
+        engine.due_now(now - grace),
+        state=State.PENDING,
+        updated_at__lte=now - grace,
+        run__status=RunStatus.OPEN,
+    ).values_list("pk", flat=True)[: BATCH * 4]
+    with transaction.atomic():
+        for step_id in lost:
+            engine.dispatch(step_id)
+            report.redispatched += 1
+
+    if any(asdict(report).values()):
+        logger.info("sweep: %s", report.as_dict())
+    return report

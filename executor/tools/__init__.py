@@ -1,0 +1,1 @@
+"""Tools: one module per tool; `base` holds the contract and the registry."""

@@ -1,0 +1,272 @@
+"""The Tool contract (DESIGN.md §6) and the registry of tools by name.
+
+A tool declares how the engine may treat it; the engine obeys. A tool whose declarations
+are missing or contradictory cannot be registered.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from decimal import Decimal
+from typing import Any, ClassVar
+
+import jsonschema
+
+from executor.models import ApprovalRule, Effect, Idempotency
+
+
+class FailureClass(enum.StrEnum):
+    TRANSIENT = "transient"
+    RATE_LIMITED = "rate_limited"
+    UNAVAILABLE = "unavailable"
+    AMBIGUOUS = "ambiguous"
+    INVALID_INPUT = "invalid_input"
+    PERMISSION_DENIED = "permission_denied"
+    POLICY_DENIED = "policy_denied"
+    CONFLICT = "conflict"
+    DESTRUCTIVE_UNSAFE = "destructive_unsafe"
+
+
+RETRYABLE = frozenset({FailureClass.TRANSIENT, FailureClass.RATE_LIMITED, FailureClass.UNAVAILABLE})
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    initial_interval: float = 1.0
+    backoff_coefficient: float = 2.0
+    max_interval: float = 60.0
+    max_attempts: int = 5
+    # Caps the whole operation, counted from first scheduling (seconds).
+    deadline: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not (self.initial_interval > 0 and self.max_interval >= self.initial_interval):
+            raise ValueError("retry intervals must be positive, max_interval >= initial")
+        if self.backoff_coefficient < 1:
+            raise ValueError("backoff_coefficient must be at least 1")
+        if self.max_attempts < 1 or self.deadline <= 0:
+            raise ValueError("max_attempts and deadline must be positive")
+
+    def as_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+
+class ToolError(Exception):
+    """An error a tool raises with its class already known."""
+
+    def __init__(
+        self,
+        failure_class: FailureClass,
+        message: str,
+        *,
+        retry_after: float | None = None,
+        evidence: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.failure_class = failure_class
+        self.retry_after = retry_after
+        self.evidence = evidence or {}
+
+
+@dataclass
+class Invocation:
+    """What the engine hands a tool for one attempt."""
+
+    step_id: str
+    operation_id: str
+    input: dict[str, Any]
+    fence: int
+    attempt: int
+    # Idempotency key: the operation id, stable across retries and replays.
+    idempotency_key: str
+
+
+@dataclass
+class ToolResult:
+    result: Any
+    external_id: str = ""
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+class LookupOutcome(enum.StrEnum):
+    FOUND = "found"
+    NOT_FOUND = "not_found"
+    CANNOT_TELL = "cannot_tell"
+
+
+@dataclass
+class Lookup:
+    outcome: LookupOutcome
+    external_id: str = ""
+    result: Any = None
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+class Tool:
+    """Subclass, declare every class attribute below, implement `invoke`, and `register`."""
+
+    name: ClassVar[str]
+    description: ClassVar[str] = ""
+    effect: ClassVar[Effect]
+    idempotency: ClassVar[Idempotency]
+    requires_approval: ClassVar[ApprovalRule]
+    # Name of the tool that undoes this one; "" means irreversible.
+    compensation: ClassVar[str]
+    retry: ClassVar[RetryPolicy]
+    # JSON Schema of the input object.
+    input_schema: ClassVar[dict[str, Any]]
+    # Input fields never shown, summarized or copied into evidence.
+    redact: ClassVar[frozenset[str]] = frozenset()
+    # Only an authoritative lookup's `not_found` proves that nothing happened.
+    lookup_authoritative: ClassVar[bool] = False
+    # Whether invoke() checks the fence token it is given (DESIGN.md §7).
+    accepts_fence: ClassVar[bool] = False
+
+    REQUIRED: ClassVar[tuple[str, ...]] = (
+        "name",
+        "effect",
+        "idempotency",
+        "requires_approval",
+        "compensation",
+        "retry",
+        "input_schema",
+    )
+
+    def invoke(self, call: Invocation) -> ToolResult:
+        raise NotImplementedError
+
+    # Tools with a lookup override this; `has_lookup` tells whether they did.
+    def lookup(self, call: Invocation) -> Lookup:
+        raise NotImplementedError
+
+    @classmethod
+    def has_lookup(cls) -> bool:
+        return cls.lookup is not Tool.lookup
+
+    def classify(self, error: BaseException) -> FailureClass:
+        """Maps an error to a failure class. The default trusts nothing it cannot name."""
+        if isinstance(error, ToolError):
+            return error.failure_class
+        return FailureClass.AMBIGUOUS
+
+    def cost(self, result: ToolResult) -> Decimal:
+        return Decimal(0)
+
+    def compensation_input(self, external_id: str, result: Any) -> dict[str, Any]:
+        """The input of the compensating tool's step that undoes a completed call."""
+        return {"external_id": external_id, "result": result}
+
+    # --- derived ------------------------------------------------------------------------
+
+    @classmethod
+    def needs_approval(cls) -> bool:
+        if cls.requires_approval == ApprovalRule.ALWAYS:
+            return True
+        if cls.requires_approval == ApprovalRule.NEVER:
+            return False
+        # The default policy: destructive effects need a person.
+        return cls.effect == Effect.DESTRUCTIVE
+
+    @classmethod
+    def policy_version(cls) -> str:
+        """A digest of every declaration: any change invalidates earlier approvals."""
+        declared = {
+            "effect": str(cls.effect),
+            "idempotency": str(cls.idempotency),
+            "requires_approval": str(cls.requires_approval),
+            "compensation": cls.compensation,
+            "retry": cls.retry.as_dict(),
+            "input_schema": cls.input_schema,
+            "redact": sorted(cls.redact),
+            "lookup": cls.has_lookup(),
+            "lookup_authoritative": cls.lookup_authoritative,
+        }
+        return hashlib.sha256(json.dumps(declared, sort_keys=True).encode()).hexdigest()[:16]
+
+    @classmethod
+    def validate_input(cls, value: Any) -> list[str]:
+        """Returns the input's schema errors, empty when it is valid."""
+        validator = jsonschema.Draft202012Validator(cls.input_schema)
+        errors = []
+        for error in sorted(validator.iter_errors(value), key=lambda e: [str(p) for p in e.path]):
+            path = [str(p) for p in error.absolute_path]
+            # jsonschema quotes the offending value: never echo a secret back.
+            message = (
+                f"does not fit the schema ({error.validator})"
+                if path and path[0] in cls.redact
+                else error.message
+            )
+            errors.append(f"{'/'.join(path) or '(input)'}: {message}")
+        return errors
+
+    @classmethod
+    def redacted(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return {k: ("[redacted]" if k in cls.redact else v) for k, v in value.items()}
+
+    @classmethod
+    def summarize(cls, value: dict[str, Any], limit: int = 500) -> str:
+        shown = {k: v for k, v in value.items() if k not in cls.redact}
+        text = json.dumps(shown, sort_keys=True, ensure_ascii=False, default=str)
+        return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+class RegistrationError(Exception):
+    pass
+
+
+_registry: dict[str, Tool] = {}
+
+
+def check_declarations(cls: type[Tool]) -> None:
+    missing = [attr for attr in Tool.REQUIRED if not hasattr(cls, attr)]
+    if missing:
+        raise RegistrationError(f"tool {cls.__name__} does not declare {', '.join(missing)}")
+    if cls.effect not in Effect.values or cls.idempotency not in Idempotency.values:
+        raise RegistrationError(f"tool {cls.name}: unknown effect or idempotency")
+    if cls.requires_approval not in ApprovalRule.values:
+        raise RegistrationError(f"tool {cls.name}: unknown requires_approval")
+    if not isinstance(cls.retry, RetryPolicy):
+        raise RegistrationError(f"tool {cls.name}: retry must be a RetryPolicy")
+    if cls.lookup_authoritative and not cls.has_lookup():
+        raise RegistrationError(f"tool {cls.name}: an authoritative lookup needs a lookup()")
+    if cls.invoke is Tool.invoke:
+        raise RegistrationError(f"tool {cls.name} does not implement invoke()")
+    try:
+        jsonschema.Draft202012Validator.check_schema(cls.input_schema)
+    except jsonschema.SchemaError as error:
+        raise RegistrationError(f"tool {cls.name}: bad input_schema: {error.message}") from error
+    if cls.input_schema.get("type") != "object":
+        raise RegistrationError(f"tool {cls.name}: input_schema must describe an object")
+
+
+def register[T: type[Tool]](cls: T) -> T:
+    check_declarations(cls)
+    if cls.name in _registry and type(_registry[cls.name]) is not cls:
+        raise RegistrationError(f"a tool named {cls.name} is already registered")
+    _registry[cls.name] = cls()
+    return cls
+
+
+def unregister(name: str) -> None:
+    _registry.pop(name, None)
+
+
+def get_tool(name: str) -> Tool:
+    load_builtin_tools()
+    try:
+        return _registry[name]
+    except KeyError:
+        raise LookupError(f"no tool named {name!r}") from None
+
+
+def all_tools() -> list[Tool]:
+    load_builtin_tools()
+    return [_registry[name] for name in sorted(_registry)]
+
+
+def load_builtin_tools() -> None:
+    # Importing the modules registers them; imports are cached after the first call.
+    from executor.tools import echo, email_send, http_get, ticketdesk  # noqa: F401

@@ -1,0 +1,125 @@
+"""Shared fixtures: a workspace with an agent, an owner, a reviewer and an outsider."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.db import connection
+from django.test import Client
+
+from executor import services
+from executor.models import Agent, Workspace
+
+os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # live_server + Playwright
+
+
+def on_postgres() -> bool:
+    return connection.vendor == "postgresql"
+
+
+@dataclass
+class AgentAuth:
+    agent: Agent
+    token: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"HTTP_AUTHORIZATION": f"Bearer {self.token}"}
+
+
+class ApiClient:
+    """The Django test client speaking JSON with an agent's bearer token."""
+
+    def __init__(self, auth: AgentAuth | None) -> None:
+        self.client = Client()
+        self.headers = auth.headers if auth else {}
+
+    def get(self, path: str, **extra: Any) -> Any:
+        return self.client.get(path, **self.headers, **extra)
+
+    def post(self, path: str, data: Any = None, **extra: Any) -> Any:
+        return self.client.post(
+            path, data=data if data is not None else {}, content_type="application/json",
+            **self.headers, **extra,
+        )
+
+
+@pytest.fixture
+def workspace(db: Any) -> Workspace:
+    return services.workspace_get_or_create(slug="acme", name="Acme")
+
+
+@pytest.fixture
+def other_workspace(db: Any) -> Workspace:
+    return services.workspace_get_or_create(slug="globex", name="Globex")
+
+
+@pytest.fixture
+def agent_auth(workspace: Workspace) -> AgentAuth:
+    agent, token = services.agent_create(workspace=workspace, name="alice-bot")
+    return AgentAuth(agent, token)
+
+
+@pytest.fixture
+def agent(agent_auth: AgentAuth) -> Agent:
+    return agent_auth.agent
+
+
+@pytest.fixture
+def other_agent_auth(other_workspace: Workspace) -> AgentAuth:
+    agent, token = services.agent_create(workspace=other_workspace, name="mallory-bot")
+    return AgentAuth(agent, token)
+
+
+@pytest.fixture
+def api(agent_auth: AgentAuth) -> ApiClient:
+    return ApiClient(agent_auth)
+
+
+@pytest.fixture
+def other_api(other_agent_auth: AgentAuth) -> ApiClient:
+    return ApiClient(other_agent_auth)
+
+
+@pytest.fixture
+def anonymous_api(db: Any) -> ApiClient:
+    return ApiClient(None)
+
+
+@pytest.fixture
+def owner(db: Any) -> Any:
+    return get_user_model().objects.create_superuser("alice", "alice@example.com", "alice-pw")
+
+
+@pytest.fixture
+def reviewer(workspace: Workspace) -> Any:
+    return services.reviewer_create(workspace=workspace, username="bob", password="bob-pw")
+
+
+@pytest.fixture
+def outsider(other_workspace: Workspace) -> Any:
+    return services.reviewer_create(
+        workspace=other_workspace, username="charlie", password="charlie-pw"
+    )
+
+
+@pytest.fixture
+def run(agent: Agent) -> Any:
+    run, _ = services.run_create(agent=agent, name="test run")
+    return run
+
+
+@pytest.fixture(autouse=True)
+def _no_broker_messages(request: pytest.FixtureRequest) -> Any:
+    """Unit tests publish nothing: a message is only a hint, and no worker listens here.
+
+    The recovery suites, which run real workers on a real broker, override this fixture.
+    """
+    from executor import tasks
+
+    with tasks.publish_suppressed():
+        yield
