@@ -167,6 +167,7 @@ EXECUTOR_FAULTS = os.environ.get("EXECUTOR_FAULTS", "")
 EXECUTOR_SWEEP_SECONDS = float(os.environ.get("EXECUTOR_SWEEP_SECONDS", "5"))
 EXECUTOR_HTTP_ALLOWED_HOSTS = env_list("EXECUTOR_HTTP_ALLOWED_HOSTS", "127.0.0.1,localhost")
 TICKETDESK_URL = os.environ.get("TICKETDESK_URL", "http://127.0.0.1:8765")
+TICKETDESK_TIMEOUT_SECONDS = float(os.environ.get("TICKETDESK_TIMEOUT_SECONDS", "10"))
 
 # --- Celery ----------------------------------------------------------------------------
 # Unset, the broker is kombu's filesystem transport in VAR_DIR: no server needed.

@@ -136,16 +136,12 @@ def claim_step(step_id: Any, *, worker: str) -> Claim | str:
     now = timezone.now()
     if step is None or step.state != State.PENDING:
         return Outcome.SKIPPED
+    run = step.run
+    if run.status == RunStatus.CANCELLED:
+        return cancel_pending(step, actor="policy")
     if step.not_before is not None and step.not_before > now:
         return Outcome.SKIPPED
-    run = step.run
-    if run.status == "cancelled":
-        try:
-            transitions.move(step, State.CANCELLED, actor="policy", reason="the run was cancelled")
-        except transitions.TransitionError:
-            return Outcome.SKIPPED
-        return State.CANCELLED
-    if run.status != "open":
+    if run.status != RunStatus.OPEN:
         # A paused run's steps wait, still pending; a reviewer's resume dispatches them.
         return Outcome.SKIPPED
     tool = find_tool(step.tool_id)
@@ -187,6 +183,22 @@ def claim_step(step_id: Any, *, worker: str) -> Claim | str:
         # Another worker or the sweeper moved it first; the duplicate message ends here.
         return Outcome.SKIPPED
     return Claim(step=step, attempt=attempt, tool=tool, worker=worker)
+
+
+def cancel_pending(step: Step, *, actor: str) -> str:
+    try:
+        transitions.move(step, State.CANCELLED, actor=actor, reason="the run was cancelled")
+    except transitions.TransitionError:
+        return Outcome.SKIPPED
+    return State.CANCELLED
+
+
+def cancel_if_run_cancelled(step_id: Any, *, actor: str) -> str:
+    """A pending step of a cancelled run is cancelled (the sweeper's backstop)."""
+    step = load_step(step_id)
+    if step is None or step.state != State.PENDING or step.run.status != RunStatus.CANCELLED:
+        return Outcome.SKIPPED
+    return cancel_pending(step, actor=actor)
 
 
 def refuse_claimed(
@@ -333,18 +345,19 @@ def persist_response(claim: Claim, result: ToolResult) -> str:
             close_attempt(attempt, Phase.RESPONDED, response=evidence, cost=cost, now=now)
             if cost:
                 Run.objects.filter(pk=step.run_id).update(used_cost=F("used_cost") + cost)
+            if target == State.COMPLETED:
+                completed(step, now=now)
             faults.hit("before_persist")
     except transitions.StaleStep:
         return record_fenced_out(attempt, "responded", **evidence)
     if cost:
         pause_if_over_cost(step.run, now=now)
     if target == State.VERIFYING:
-        return verify(step, tool, actor=actor, fence=claim.fence)
-    after_completion(step, now=now)
+        return verify(step, actor=actor, fence=claim.fence, attempt=attempt)
     return step.state
 
 
-def verify(step: Step, tool: Tool, *, actor: str, fence: int | None) -> str:
+def verify(step: Step, *, actor: str, fence: int | None, attempt: Attempt | None = None) -> str:
     """verifying → completed: the stored response is the tool's confirmation of its effect."""
     now = timezone.now()
     try:
@@ -352,19 +365,19 @@ def verify(step: Step, tool: Tool, *, actor: str, fence: int | None) -> str:
             transitions.move(
                 step, State.COMPLETED, actor=actor, reason="effect confirmed", fence=fence, now=now
             )
+            completed(step, now=now)
     except transitions.StaleStep:
+        if attempt is not None:
+            return record_fenced_out(attempt, "completed")
         return Outcome.FENCED_OUT
-    after_completion(step, now=now)
     return step.state
 
 
-def after_completion(step: Step, *, now: datetime) -> None:
+def completed(step: Step, *, now: datetime) -> None:
+    """What a completion implies, in the completing transaction (see services)."""
     from executor import services
 
-    Approval.objects.filter(step=step, consumed_at__isnull=True).update(consumed_at=now)
-    if step.compensates_id:
-        services.compensation_completed(step=step, now=now)
-    services.steps_promote_ready(run=step.run, now=now)
+    services.step_completed_effects(step=step, now=now)
 
 
 def pause_if_over_cost(run: Run, *, now: datetime) -> None:
@@ -413,7 +426,18 @@ def handle_failure(claim: Claim, error: BaseException) -> str:
                 response=evidence or None,
                 now=now,
             )
-            if failure_retryable:
+            if failure_retryable and run_cancelled(step):
+                # Nothing happened (a retryable class says so) and the run is cancelled:
+                # the retry would never be wanted.
+                transitions.move(
+                    step,
+                    State.CANCELLED,
+                    actor="policy",
+                    reason=f"{failure}; the run was cancelled meanwhile",
+                    fence=claim.fence,
+                    now=now,
+                )
+            elif failure_retryable:
                 schedule_retry(claim, failure, message, retry_after, actor=actor, now=now)
             elif failure in (FailureClass.AMBIGUOUS, FailureClass.DESTRUCTIVE_UNSAFE):
                 transitions.move(
@@ -442,13 +466,18 @@ def handle_failure(claim: Claim, error: BaseException) -> str:
                 )
     except transitions.StaleStep:
         return record_fenced_out(attempt, f"failure:{failure}")
-    if step.state == State.FAILED:
+    if step.state in (State.FAILED, State.DEAD):
+        # This execution is over; a replay is a new one and needs an approval of its own.
         Approval.objects.filter(step=step, consumed_at__isnull=True).update(consumed_at=now)
     elif step.state == State.PENDING:
         dispatch(step.pk, eta=step.not_before)
     elif step.state == State.UNKNOWN and tool.has_lookup():
         dispatch_reconcile(step.pk)
     return step.state
+
+
+def run_cancelled(step: Step) -> bool:
+    return Run.objects.filter(pk=step.run_id, status=RunStatus.CANCELLED).exists()
 
 
 def schedule_retry(
@@ -462,7 +491,12 @@ def schedule_retry(
 ) -> None:
     """running → pending with a backoff, or → dead when attempts or the deadline run out."""
     step, tool = claim.step, claim.tool
-    failures = Attempt.objects.filter(step=step, phase=Phase.ERRORED).count()
+    # This operation's series only: a replay starts a new one (it resets first_scheduled_at).
+    failures = Attempt.objects.filter(
+        step=step,
+        phase=Phase.ERRORED,
+        claimed_at__gte=step.first_scheduled_at or step.created_at,
+    ).count()
     delay = backoff_seconds(tool, failures)
     if failure == FailureClass.RATE_LIMITED and retry_after is not None:
         delay = max(delay, retry_after)
@@ -585,6 +619,7 @@ def recover_expired(step_id: Any, *, actor: str = "sweeper") -> str:
             if step.state == State.VERIFYING or phase == Phase.RESPONDED:
                 # The response is stored: never submit again, finish the confirmation.
                 to(State.COMPLETED, f"{why}; the response was stored, effect confirmed")
+                completed(step, now=now)
             elif phase != Phase.SUBMITTING:
                 to(State.PENDING, f"{why}; nothing was sent", not_before=now)
                 abandon(why)
@@ -606,13 +641,22 @@ def recover_expired(step_id: Any, *, actor: str = "sweeper") -> str:
                 abandon(f"{why} after submission")
     except transitions.StaleStep:
         return Outcome.SKIPPED
-    if step.state == State.COMPLETED:
-        after_completion(step, now=now)
-    elif step.state == State.PENDING:
+    if step.state == State.PENDING:
         dispatch(step.pk)
     elif step.state == State.UNKNOWN and has_lookup:
         return reconcile(step.pk, actor=actor)
     return step.state
+
+
+def lookups_since_unknown(step: Step) -> int:
+    """How many lookups could not tell since the step last became unknown."""
+    recent = step.events.order_by("-seq").values_list("from_state", "to_state")
+    count = 0
+    for source, target in recent[: RECONCILE_TRIES + 1]:
+        if not (source == State.UNKNOWN and target == State.UNKNOWN):
+            break
+        count += 1
+    return count
 
 
 RECONCILE_TRIES = 5
@@ -669,6 +713,7 @@ def reconcile(step_id: Any, *, actor: str = "sweeper") -> str:
                     reason="effect confirmed by lookup",
                     now=now,
                 )
+                completed(step, now=now)
             elif found.outcome == LookupOutcome.NOT_FOUND and tool.lookup_authoritative:
                 transitions.move(
                     step,
@@ -680,9 +725,7 @@ def reconcile(step_id: Any, *, actor: str = "sweeper") -> str:
                     now=now,
                 )
             else:
-                tries = (
-                    step.events.filter(from_state=State.UNKNOWN, to_state=State.UNKNOWN).count() + 1
-                )
+                tries = lookups_since_unknown(step) + 1
                 give_up = tries >= RECONCILE_TRIES
                 transitions.move(
                     step,
@@ -702,9 +745,7 @@ def reconcile(step_id: Any, *, actor: str = "sweeper") -> str:
                 )
     except transitions.StaleStep:
         return Outcome.SKIPPED
-    if step.state == State.COMPLETED:
-        after_completion(step, now=now)
-    elif step.state == State.PENDING:
+    if step.state == State.PENDING:
         dispatch(step.pk)
     return step.state
 

@@ -34,6 +34,11 @@ class Decision:
 GO = Decision(Verdict.GO)
 
 
+def approval_permission(step: Step) -> str:
+    """The permission that approves this step: compensations have their own."""
+    return "approve_compensation" if step.compensates_id else "approve_steps"
+
+
 def approval_problem(
     step: Step, tool: ToolContract, approval: Approval | None, now: datetime
 ) -> str:
@@ -52,10 +57,11 @@ def approval_problem(
             return "the approval is older than EXECUTOR_APPROVAL_MAX_AGE"
         if approval.expires_at is not None and approval.expires_at <= now:
             return "the approval expired"
+        permission = approval_permission(step)
         if not approver.is_active or not approver.has_perm(
-            "executor.approve_steps", step.run.workspace
+            f"executor.{permission}", step.run.workspace
         ):
-            return f"the approver {approver.get_username()} no longer holds approve_steps"
+            return f"the approver {approver.get_username()} no longer holds {permission}"
     return ""
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from django.db.models import Count, Q, QuerySet, Sum, TextChoices
 from django.utils import timezone
 
-from executor.models import Agent, Attempt, Event, Run, RunStatus, Step
+from executor.models import Agent, Attempt, Event, Run, RunStatus, Step, Tool
 from executor.states import State
 
 
@@ -216,7 +216,9 @@ def inbox_counts(*, inbox: InboxFilter, now: datetime | None = None) -> dict[str
     aggregates: dict[str, Any] = {}
     for kind, condition in INBOX_KIND_Q.items():
         aggregates[f"all_{kind}"] = Count("pk", filter=condition)
-        aggregates[f"shown_{kind}"] = Count("pk", filter=condition & narrowing)
+        aggregates[f"shown_{kind}"] = Count(
+            "pk", filter=condition & narrowing if narrowing else condition
+        )
     row = _inbox_visible(inbox.workspace_ids).aggregate(**aggregates)
     return {
         scope: {kind: row[f"{scope}_{kind}"] or 0 for kind in INBOX_KIND_Q}
@@ -264,11 +266,17 @@ def paused_run_counts(
     *, workspace_ids: tuple[int, ...], workspace_id: int | None = None
 ) -> dict[str, int]:
     """Paused runs the reviewer may see (`all`) and under the workspace filter (`shown`)."""
-    shown = Q() if workspace_id is None else Q(workspace_id=workspace_id)
+    shown = (
+        Count("pk") if workspace_id is None else Count("pk", filter=Q(workspace_id=workspace_id))
+    )
     row = Run.objects.filter(workspace_id__in=workspace_ids, status=RunStatus.PAUSED).aggregate(
-        all=Count("pk"), shown=Count("pk", filter=shown)
+        all=Count("pk"), shown=shown
     )
     return {"all": row["all"] or 0, "shown": row["shown"] or 0}
+
+
+def tool_names() -> list[str]:
+    return list(Tool.objects.order_by("name").values_list("name", flat=True))
 
 
 def steps_visible(*, step_ids: list[str], workspace_ids: tuple[int, ...]) -> dict[str, Step]:
@@ -343,3 +351,8 @@ def runs_page(
         return rows, None
     last = rows[size - 1]
     return rows[:size], Cursor(at=last.created_at, pk=str(last.pk))
+
+
+def step_move_after(*, step: Step, version: int) -> Event | None:
+    """The move that left `version`: who acted first on what a reviewer saw."""
+    return Event.objects.filter(step_id=step.pk, seq=version + 1).first()

@@ -18,7 +18,7 @@ from django.db.models import F, Max, TextChoices
 from django.utils import timezone
 from guardian.shortcuts import assign_perm
 
-from executor import transitions
+from executor import policy, transitions
 from executor.models import (
     AGENT_WORKSPACE_PERMISSIONS,
     REVIEWER_PERMISSIONS,
@@ -411,6 +411,15 @@ def dispatch_after_commit(step_ids: list[Any]) -> None:
         tasks.send_execute(step_id)
 
 
+def step_completed_effects(*, step: Step, now: Any) -> None:
+    """What a completion implies, in the transaction that completes the step: its approval
+    is used up, the step it compensates becomes compensated, dependents may start."""
+    Approval.objects.filter(step=step, consumed_at__isnull=True).update(consumed_at=now)
+    if step.compensates_id:
+        compensation_completed(step=step, now=now)
+    steps_promote_ready(run=step.run, now=now)
+
+
 def compensation_completed(*, step: Step, now: Any = None) -> None:
     """A completed compensation step makes the step it undoes `compensated`."""
     if step.compensates_id is None:
@@ -494,8 +503,7 @@ def _approve(step: Step, *, user: User, reason: str, now: Any) -> Approval:
     )
 
 
-def approval_permission(step: Step) -> str:
-    return "approve_compensation" if step.compensates_id else "approve_steps"
+approval_permission = policy.approval_permission
 
 
 def step_approve(*, step: Step, user: User, version: int, reason: str) -> Step:
@@ -576,10 +584,7 @@ def step_resolve_unknown(
                     "failure_message": "",
                 },
             )
-            Approval.objects.filter(step=step, consumed_at__isnull=True).update(consumed_at=now)
-            if step.compensates_id:
-                compensation_completed(step=step, now=now)
-            steps_promote_ready(run=step.run, now=now)
+            step_completed_effects(step=step, now=now)
         elif resolution == Resolution.RUN_AGAIN:
             if not run_again_allowed(step):
                 raise Conflict(

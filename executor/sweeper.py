@@ -33,6 +33,7 @@ class SweepReport:
     redispatched: int = 0
     promoted: int = 0
     runs_paused: int = 0
+    cancelled: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -101,6 +102,14 @@ def sweep_once(*, owner: str) -> SweepReport:
     for step_id in due_lookups:
         if isolated(engine.reconcile, step_id, actor=actor):
             report.reconciled += 1
+
+    # Steps a cancelled run left pending (a retry scheduled as it was cancelled).
+    orphans = Step.objects.filter(state=State.PENDING, run__status=RunStatus.CANCELLED).values_list(
+        "pk", flat=True
+    )[:BATCH]
+    for step_id in orphans:
+        if isolated(engine.cancel_if_run_cancelled, step_id, actor=actor):
+            report.cancelled += 1
 
     for run in Run.objects.filter(status=RunStatus.OPEN, deadline__lte=now)[:BATCH]:
         if policy.run_pause(run, reason="the run's deadline passed", now=now):

@@ -189,6 +189,9 @@ class _CreateTicket(Tool):
             },
         )
 
+    def compensation_input(self, external_id: str, result: Any) -> dict[str, Any]:
+        return {"ticket_id": external_id}
+
     def lookup(self, call: Invocation) -> Lookup:
         # Sending our fence makes the desk refuse a slower request from an older lease
         # that has not committed yet, so `not_found` stays true after we answer it.
