@@ -134,6 +134,7 @@ WHITENOISE_AUTOREFRESH = DEBUG
 
 LOGIN_URL = "/accounts/login/"
 LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "login"
 
 CACHES = {
     "default": (

@@ -663,7 +663,11 @@ RECONCILE_TRIES = 5
 RECONCILE_INTERVAL = 30
 
 
-def reconcile(step_id: Any, *, actor: str = "sweeper") -> str:
+def noted(reason: str, note: str) -> str:
+    return f"{reason}: {note}" if note else reason
+
+
+def reconcile(step_id: Any, *, actor: str = "sweeper", note: str = "") -> str:
     """Asks the tool whether an `unknown` step's operation happened (DESIGN.md §7).
 
     found → verifying → completed; not_found from an authoritative lookup → pending with
@@ -695,7 +699,7 @@ def reconcile(step_id: Any, *, actor: str = "sweeper") -> str:
                     step,
                     State.VERIFYING,
                     actor=actor,
-                    reason="lookup found the operation",
+                    reason=noted("lookup found the operation", note),
                     changes={
                         "external_id": found.external_id[:200],
                         "result": found.result,
@@ -710,7 +714,7 @@ def reconcile(step_id: Any, *, actor: str = "sweeper") -> str:
                     step,
                     State.COMPLETED,
                     actor=actor,
-                    reason="effect confirmed by lookup",
+                    reason=noted("effect confirmed by lookup", note),
                     now=now,
                 )
                 completed(step, now=now)
@@ -719,7 +723,9 @@ def reconcile(step_id: Any, *, actor: str = "sweeper") -> str:
                     step,
                     State.PENDING,
                     actor=actor,
-                    reason="the authoritative lookup found no effect: run again, same operation",
+                    reason=noted(
+                        "the authoritative lookup found no effect: run again, same operation", note
+                    ),
                     changes={"not_before": now, "failure_class": "", "failure_message": ""},
                     data={"lookup": found.outcome, **found.evidence},
                     now=now,
@@ -731,9 +737,10 @@ def reconcile(step_id: Any, *, actor: str = "sweeper") -> str:
                     step,
                     State.UNKNOWN,
                     actor=actor,
-                    reason=(
+                    reason=noted(
                         f"lookup could not tell ({tries} of {RECONCILE_TRIES}); "
-                        + ("a reviewer has it" if give_up else "will ask again")
+                        + ("a reviewer has it" if give_up else "will ask again"),
+                        note,
                     ),
                     changes={
                         "not_before": None

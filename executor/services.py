@@ -460,12 +460,17 @@ def require_reason(reason: str) -> str:
     return reason[:2000]
 
 
-def already_handled(step: Step) -> AlreadyHandled:
-    latest = step.events.order_by("-seq").first()
+def already_handled(step: Step, seen_version: int | None = None) -> AlreadyHandled:
+    """Names who moved the step first: the event right after the version the reviewer saw
+    (the newest one could be a policy's follow-up move, such as approved → pending)."""
+    events = step.events.order_by("-seq")
+    if seen_version is not None:
+        events = step.events.filter(seq__gt=seen_version).order_by("seq")
+    latest = events.first()
     if latest is None:
         return AlreadyHandled("this step changed since you loaded it")
     return AlreadyHandled(
-        f"already handled by {latest.actor} at {latest.created_at:%Y-%m-%d %H:%M:%S} UTC "
+        f"Already handled by {latest.actor} at {latest.created_at:%Y-%m-%d %H:%M:%S} UTC "
         f"(now {latest.to_state})",
         {"actor": latest.actor, "at": latest.created_at.isoformat(), "state": latest.to_state},
     )
@@ -475,7 +480,7 @@ def _fresh(step: Step, version: int, *states: State) -> Step:
     """The step as the ledger has it now, if it is still the version the reviewer saw."""
     current = Step.objects.select_related("run", "run__workspace", "run__agent").get(pk=step.pk)
     if current.version != version or (states and current.state not in states):
-        raise already_handled(current)
+        raise already_handled(current, seen_version=version)
     return current
 
 
@@ -621,16 +626,19 @@ def step_resolve_unknown(
     return step
 
 
-def step_probe(*, step: Step, user: User) -> str:
+def step_probe(*, step: Step, user: User, version: int, reason: str) -> str:
     """Runs the tool's lookup on an `unknown` step now ("look it up again")."""
     from executor import engine
 
+    reason = require_reason(reason)
+    step = _fresh(step, version, State.UNKNOWN)
     require_perm(user, "review_steps", step.run.workspace)
-    if step.state != State.UNKNOWN:
-        raise already_handled(step)
     if not get_tool(step.tool_id).has_lookup():
         raise Conflict(f"{step.tool_id} has no lookup")
-    return engine.reconcile(step.pk, actor=user_actor(user))
+    outcome = engine.reconcile(step.pk, actor=user_actor(user), note=reason)
+    if outcome == engine.Outcome.SKIPPED:
+        raise already_handled(step, seen_version=version)
+    return outcome
 
 
 def _replay_approval(step: Step, *, user: User, reason: str, now: Any) -> None:
@@ -718,7 +726,7 @@ def compensation_request(*, step: Step, user: User, version: int, reason: str) -
     """Creates the step that undoes a completed one; it waits `planned` for approval."""
     reason = require_reason(reason)
     step = _fresh(step, version, State.COMPLETED)
-    require_perm(user, "review_steps", step.run.workspace)
+    require_perm(user, "approve_compensation", step.run.workspace)
     tool = get_tool(step.tool_id)
     if not tool.compensation:
         raise Conflict(f"{step.tool_id} is irreversible: it has no compensation")
@@ -759,6 +767,7 @@ def run_extend_budget(
     *,
     run: Run,
     user: User,
+    version: int,
     reason: str,
     add_calls: int = 0,
     add_cost: Decimal | None = None,
@@ -773,6 +782,8 @@ def run_extend_budget(
     now = timezone.now()
     with transaction.atomic():
         locked = Run.objects.select_for_update().get(pk=run.pk)
+        if locked.version != version:
+            raise run_already_handled(locked)
         if locked.status in (RunStatus.CANCELLED, RunStatus.CLOSED):
             raise Conflict(f"the run is {locked.status}")
         before = {
@@ -809,6 +820,17 @@ def run_extend_budget(
                 raise Conflict(f"the run cannot resume: {problem}")
             run_resume(run=locked, actor=user_actor(user), reason=reason, now=now)
     return locked
+
+
+def run_already_handled(run: Run) -> AlreadyHandled:
+    latest = RunEvent.objects.filter(run=run).order_by("-created_at", "-pk").first()
+    if latest is None:
+        return AlreadyHandled("this run changed since you loaded it")
+    return AlreadyHandled(
+        f"Already handled by {latest.actor} at {latest.created_at:%Y-%m-%d %H:%M:%S} UTC "
+        f"({latest.action.replace('_', ' ')}; the run is now {run.status})",
+        {"actor": latest.actor, "at": latest.created_at.isoformat(), "status": run.status},
+    )
 
 
 def run_resume(*, run: Run, actor: str, reason: str, now: Any = None) -> None:

@@ -1,0 +1,74 @@
+"""Template helpers of the console: times shown relative and absolute, bars, evidence."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+from django import template
+from django.utils import timezone
+from django.utils.html import format_html
+
+register = template.Library()
+
+UNITS = ((86400 * 365, "y"), (86400 * 30, "mo"), (86400, "d"), (3600, "h"), (60, "min"))
+
+
+def relative(value: datetime, now: datetime | None = None) -> str:
+    """'3 min ago', 'in 2 h', 'just now': the largest whole unit, rounded down."""
+    now = now or timezone.now()
+    seconds = (now - value).total_seconds()
+    future = seconds < 0
+    seconds = abs(seconds)
+    if seconds < 45:
+        return "just now" if not future else "in a few seconds"
+    for size, unit in UNITS:
+        if seconds >= size:
+            amount = f"{int(seconds // size)} {unit}"
+            return f"in {amount}" if future else f"{amount} ago"
+    return "in 1 min" if future else "1 min ago"
+
+
+@register.simple_tag
+def timestamp(value: datetime | None) -> str:
+    """A <time> that reads relative and names the absolute UTC time in its title."""
+    if value is None:
+        return "—"
+    absolute = value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return format_html(
+        '<time datetime="{}" title="{}">{}</time>', value.isoformat(), absolute, relative(value)
+    )
+
+
+@register.filter
+def percent_of(value: Any, limit: Any) -> str:
+    """How full a bar is, 0 to 100 (a CSS width); 0 when there is no limit."""
+    try:
+        used, whole = float(value), float(limit)
+    except (TypeError, ValueError):
+        return "0"
+    if whole <= 0:
+        return "100" if used > 0 else "0"
+    return f"{max(0.0, min(100.0, used * 100 / whole)):.1f}"
+
+
+@register.filter
+def pretty_json(value: Any) -> str:
+    if value in (None, "", {}, []):
+        return ""
+    return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, default=str)
+
+
+@register.filter
+def get_item(mapping: Any, key: Any) -> Any:
+    try:
+        return mapping[key]
+    except (KeyError, IndexError, TypeError):
+        return None
+
+
+@register.filter
+def spaced(value: Any) -> str:
+    """`budget_extended` → `budget extended`."""
+    return str(value).replace("_", " ")

@@ -1,0 +1,368 @@
+"""Every decision on a step: allowed with its permission, 403 without, 404 for an outsider,
+409 on a stale version, 422 without a reason; each through the services, each an Event."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+from django.test import Client
+from django.urls import reverse
+
+from executor.models import Agent, Run, Step
+from executor.states import State
+from tests.console.conftest import (
+    blocked,
+    compensation,
+    completed,
+    dead,
+    events_by,
+    htmx,
+    planned,
+    read,
+    reload,
+    unchanged,
+    unknown,
+)
+
+pytestmark = pytest.mark.usefixtures("tools")
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    url: str
+    build: Callable[[Agent, Run, User], Step]
+    after: State
+    permission: str
+    data: dict[str, str] = field(default_factory=dict)
+
+    def post(self, client: Client, step: Step, **extra: Any) -> Any:
+        data = {"version": step.version, "reason": "checked with the customer", **self.data}
+        return client.post(reverse(self.url, args=[step.pk]), data, **extra)
+
+
+CASES = [
+    Case("approve", "step_approve", lambda a, r, u: planned(a, r), State.PENDING, "approve_steps"),
+    Case("reject", "step_reject", lambda a, r, u: planned(a, r), State.REJECTED, "approve_steps"),
+    Case(
+        "resolve-happened",
+        "step_resolve",
+        lambda a, r, u: unknown(a, r),
+        State.COMPLETED,
+        "resolve_unknown",
+        {"resolution": "happened", "external_id": "T-42", "evidence": "found in the desk"},
+    ),
+    Case(
+        "resolve-run-again",
+        "step_resolve",
+        lambda a, r, u: unknown(a, r, tool="console.lookup"),
+        State.PENDING,
+        "resolve_unknown",
+        {"resolution": "run_again"},
+    ),
+    Case(
+        "resolve-give-up",
+        "step_resolve",
+        lambda a, r, u: unknown(a, r),
+        State.FAILED,
+        "resolve_unknown",
+        {"resolution": "give_up"},
+    ),
+    Case("replay", "step_replay", lambda a, r, u: dead(a, r), State.PENDING, "replay_deadletter"),
+    Case("resume", "step_resume", lambda a, r, u: blocked(a, r), State.PENDING, "approve_steps"),
+    Case(
+        "approve-compensation",
+        "step_approve",
+        lambda a, r, u: compensation(a, r, u),
+        State.PENDING,
+        "approve_compensation",
+    ),
+    Case(
+        "reject-compensation",
+        "step_reject",
+        lambda a, r, u: compensation(a, r, u),
+        State.REJECTED,
+        "approve_compensation",
+    ),
+]
+IDS = [case.name for case in CASES]
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_a_decision_with_the_permission_moves_the_step_in_the_reviewers_name(
+    case: Case, bob: Client, owner: User, agent: Agent, run: Run
+) -> None:
+    step = case.build(agent, run, owner)
+    response = case.post(bob, step)
+    assert response.status_code == 302
+    assert response["Location"] == reverse("step", args=[step.pk])
+    assert reload(step).state == case.after
+    decided = events_by(step, "user:bob")
+    assert decided
+    assert decided[0].reason == "checked with the customer"
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_a_decision_without_the_permission_is_refused_with_403(
+    case: Case, dave: Client, owner: User, agent: Agent, run: Run
+) -> None:
+    step = case.build(agent, run, owner)
+    with unchanged(step):
+        response = case.post(dave, step)
+    assert response.status_code == 403
+    assert f"You need the {case.permission} permission on acme" in read(response).text
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_an_outsider_gets_404_and_changes_nothing(
+    case: Case, charlie: Client, owner: User, agent: Agent, run: Run
+) -> None:
+    step = case.build(agent, run, owner)
+    with unchanged(step):
+        response = case.post(charlie, step)
+    assert response.status_code == 404
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_a_stale_version_answers_409_naming_who_acted_and_when(
+    case: Case, bob: Client, alice: Client, owner: User, agent: Agent, run: Run
+) -> None:
+    step = case.build(agent, run, owner)
+    assert case.post(alice, step).status_code == 302
+    decided = reload(step)
+    with unchanged(step):
+        response = case.post(bob, step)  # the version bob's page showed
+    assert response.status_code == 409
+    text = read(response).text
+    assert "already handled by user:alice at" in text
+    assert f"now {decided.state})" in text
+    assert not events_by(step, "user:bob")
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("reason", ["", "   "], ids=["empty", "blank"])
+def test_a_decision_needs_a_reason(
+    case: Case, reason: str, bob: Client, owner: User, agent: Agent, run: Run
+) -> None:
+    step = case.build(agent, run, owner)
+    with unchanged(step):
+        response = bob.post(
+            reverse(case.url, args=[step.pk]),
+            {"version": step.version, "reason": reason, **case.data},
+        )
+    assert response.status_code == 422
+    page = read(response)
+    assert "Give a reason: it is recorded with your decision." in page.text
+    form = page.form(f"decision-{case.name.removesuffix('-compensation')}")
+    assert form is not None
+    if "external_id" in case.data:
+        # What the reviewer typed is kept for the next try.
+        assert form.field("external_id")["value"] == case.data["external_id"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_with_htmx_the_step_region_is_redrawn_and_the_inbox_told(
+    case: Case, bob: Client, owner: User, agent: Agent, run: Run
+) -> None:
+    step = case.build(agent, run, owner)
+    response = case.post(bob, step, **htmx(target="step"))
+    assert response.status_code == 200
+    body = response.content.decode()
+    assert body.lstrip().startswith('<div id="step"')
+    assert f'data-testid="step-state">{case.after}<' in body
+    assert "inbox-changed" in response["HX-Trigger"]
+    assert reload(step).state == case.after
+
+
+def test_a_stale_htmx_decision_shows_the_message_in_the_region(
+    bob: Client, alice: Client, agent: Agent, run: Run
+) -> None:
+    step = planned(agent, run)
+    alice.post(reverse("step_approve", args=[step.pk]), {"version": 1, "reason": "fine"})
+    response = bob.post(
+        reverse("step_reject", args=[step.pk]),
+        {"version": step.version, "reason": "too risky"},
+        **htmx(target="step"),
+    )
+    assert response.status_code == 409
+    page = read(response)
+    assert "decision-error" in page.testids()
+    assert "already handled by user:alice" in page.text
+    assert reload(step).state == State.PENDING
+
+
+def test_it_happened_records_the_external_id_and_the_evidence(
+    bob: Client, agent: Agent, run: Run
+) -> None:
+    step = unknown(agent, run)
+    bob.post(
+        reverse("step_resolve", args=[step.pk]),
+        {
+            "version": step.version,
+            "resolution": "happened",
+            "external_id": "T-42",
+            "evidence": "seen in the desk",
+            "reason": "found it",
+        },
+    )
+    step = reload(step)
+    assert step.state == State.COMPLETED
+    assert step.external_id == "T-42"
+    event = events_by(step, "user:bob")[0]
+    assert event.data["evidence"] == "seen in the desk"
+
+
+def test_run_again_is_refused_for_a_write_that_cannot_be_checked(
+    bob: Client, agent: Agent, run: Run
+) -> None:
+    step = unknown(agent, run)
+    with unchanged(step):
+        response = bob.post(
+            reverse("step_resolve", args=[step.pk]),
+            {"version": step.version, "resolution": "run_again", "reason": "try again"},
+        )
+    assert response.status_code == 409
+    assert "not safe to send again" in read(response).text
+
+
+def test_an_unknown_resolution_is_a_form_error(bob: Client, agent: Agent, run: Run) -> None:
+    step = unknown(agent, run)
+    with unchanged(step):
+        response = bob.post(
+            reverse("step_resolve", args=[step.pk]),
+            {"version": step.version, "resolution": "maybe", "reason": "hmm"},
+        )
+    assert response.status_code == 422
+
+
+def test_a_missing_version_is_a_form_error(bob: Client, agent: Agent, run: Run) -> None:
+    step = planned(agent, run)
+    with unchanged(step):
+        response = bob.post(reverse("step_approve", args=[step.pk]), {"reason": "fine"})
+    assert response.status_code == 422
+
+
+def test_decisions_answer_only_post(bob: Client, agent: Agent, run: Run) -> None:
+    step = planned(agent, run)
+    with unchanged(step):
+        response = bob.get(reverse("step_approve", args=[step.pk]))
+    assert response.status_code == 405
+
+
+def test_a_decision_without_the_csrf_token_is_refused(
+    reviewer: User, agent: Agent, run: Run
+) -> None:
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(reviewer)
+    step = planned(agent, run)
+    with unchanged(step):
+        response = client.post(
+            reverse("step_approve", args=[step.pk]), {"version": step.version, "reason": "ok"}
+        )
+    assert response.status_code == 403
+
+
+# --- look it up again -------------------------------------------------------------------------
+
+
+def test_looking_up_again_needs_only_review_steps_and_is_recorded(
+    dave: Client, agent: Agent, run: Run
+) -> None:
+    step = unknown(agent, run, tool="console.lookup")
+    response = dave.post(
+        reverse("step_probe", args=[step.pk]),
+        {"version": step.version, "reason": "the desk was down earlier"},
+    )
+    assert response.status_code == 302
+    step = reload(step)
+    assert step.state == State.UNKNOWN
+    assert [(e.from_state, e.to_state) for e in events_by(step, "user:dave")] == [
+        ("unknown", "unknown")
+    ]
+
+
+def test_looking_up_again_on_a_stale_page_is_409(bob: Client, agent: Agent, run: Run) -> None:
+    step = unknown(agent, run, tool="console.lookup")
+    stale = step.version
+    bob.post(reverse("step_probe", args=[step.pk]), {"version": stale, "reason": "once"})
+    with unchanged(step):
+        response = bob.post(
+            reverse("step_probe", args=[step.pk]), {"version": stale, "reason": "twice"}
+        )
+    assert response.status_code == 409
+    assert "already handled by user:bob" in read(response).text
+
+
+def test_looking_up_again_needs_a_reason_and_hides_from_outsiders(
+    bob: Client, charlie: Client, agent: Agent, run: Run
+) -> None:
+    step = unknown(agent, run, tool="console.lookup")
+    url = reverse("step_probe", args=[step.pk])
+    with unchanged(step):
+        assert bob.post(url, {"version": step.version, "reason": ""}).status_code == 422
+        assert charlie.post(url, {"version": step.version, "reason": "x"}).status_code == 404
+
+
+# --- compensation -----------------------------------------------------------------------------
+
+
+def test_requesting_a_compensation_creates_a_planned_step_that_undoes_it(
+    bob: Client, agent: Agent, run: Run
+) -> None:
+    step = completed(agent, run)
+    response = bob.post(
+        reverse("step_compensate", args=[step.pk]),
+        {"version": step.version, "reason": "opened by mistake"},
+    )
+    assert response.status_code == 302
+    (comp,) = Step.objects.filter(compensates=step)
+    assert comp.state == State.PLANNED
+    assert comp.tool_id == "console.undo"
+    assert [e.to_state for e in events_by(comp, "user:bob")] == ["planned"]
+    assert reload(step).state == State.COMPLETED
+    assert (
+        "A compensation is already planned." in read(bob.get(reverse("step", args=[step.pk]))).text
+    )
+
+
+def test_requesting_a_compensation_needs_approve_compensation(
+    dave: Client, agent: Agent, run: Run
+) -> None:
+    step = completed(agent, run)
+    response = dave.post(
+        reverse("step_compensate", args=[step.pk]), {"version": step.version, "reason": "undo"}
+    )
+    assert response.status_code == 403
+    assert not Step.objects.filter(compensates=step).exists()
+
+
+def test_a_second_compensation_request_is_409(bob: Client, agent: Agent, run: Run) -> None:
+    step = completed(agent, run)
+    url = reverse("step_compensate", args=[step.pk])
+    bob.post(url, {"version": step.version, "reason": "undo"})
+    response = bob.post(url, {"version": step.version, "reason": "undo again"})
+    assert response.status_code == 409
+    assert Step.objects.filter(compensates=step).count() == 1
+
+
+def test_compensating_an_irreversible_step_is_409(bob: Client, agent: Agent, run: Run) -> None:
+    step = completed(agent, run, tool="console.undo")
+    response = bob.post(
+        reverse("step_compensate", args=[step.pk]), {"version": step.version, "reason": "undo"}
+    )
+    assert response.status_code == 409
+    assert "irreversible" in read(response).text
+    assert not Step.objects.filter(compensates=step).exists()
+
+
+def test_an_outsider_cannot_request_a_compensation(charlie: Client, agent: Agent, run: Run) -> None:
+    step = completed(agent, run)
+    response = charlie.post(
+        reverse("step_compensate", args=[step.pk]), {"version": step.version, "reason": "undo"}
+    )
+    assert response.status_code == 404
+    assert not Step.objects.filter(compensates=step).exists()

@@ -1,0 +1,99 @@
+"""The inbox answers in a fixed number of SQL queries, whatever the page size and the ledger."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+from django.test import Client
+from django.urls import reverse
+
+from executor import services
+from executor.models import Agent, Run, Step
+from tests.console.conftest import bulk_steps, htmx, paused
+
+# A signed-in reviewer's inbox page, query by query:
+#   1 the session, 2 the user, 3-4 the user's global permissions (own and by group; guardian
+#   asks once per request and Django keeps them on the user), 5 the workspaces the reviewer
+#   may see, 6 the tools for the filter, 7 the counts of every kind, for the navigation and
+#   the tabs, in one aggregate, 8 the paused runs' counts, 9 the page of steps with their runs
+#   and workspaces, 10 the paused runs listed, 11 the workspaces where the reviewer may replay.
+INBOX_QUERIES = 11
+# The list region of one kind of step draws no paused runs.
+REGION_QUERIES = INBOX_QUERIES - 1
+
+
+def warm(client: Client) -> None:
+    """One request first: guardian caches a permission's content type for the process, so
+    the very first request of a process pays two more queries once."""
+    assert client.get(reverse("inbox")).status_code == 200
+
+
+@pytest.fixture
+def ledger(agent: Agent, run: Run, other_agent_auth: Any) -> None:
+    """Waiting steps in two workspaces, and a paused run, so every query has rows."""
+    services.tools_sync()
+    held, _ = services.run_create(agent=agent, name="held")
+    paused(held)
+    other_run, _ = services.run_create(agent=other_agent_auth.agent, name="globex")
+    bulk_steps(other_run, 50)
+
+
+def assert_fixed_count(
+    client: Client, django_assert_num_queries: Any, *, expected_rows: int
+) -> None:
+    for size in (10, 100):
+        with django_assert_num_queries(INBOX_QUERIES):
+            response = client.get(reverse("inbox"), {"size": size})
+        assert response.status_code == 200
+        assert response.content.decode().count('data-testid="inbox-row"') == min(
+            size, expected_rows
+        )
+        with django_assert_num_queries(REGION_QUERIES):
+            region = client.get(
+                reverse("inbox"), {"size": size, "state": "dead"}, **htmx(target="inbox-list")
+            )
+        assert region.status_code == 200
+        assert region.content.decode().count('data-testid="inbox-row"') == size
+
+
+@pytest.mark.usefixtures("ledger")
+def test_the_inbox_query_count_is_fixed_on_two_thousand_steps(
+    reviewer: User, run: Run, django_assert_num_queries: Any
+) -> None:
+    bulk_steps(run, 2000)
+    client = Client()
+    client.force_login(reviewer)
+    warm(client)
+    assert_fixed_count(client, django_assert_num_queries, expected_rows=2000)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ledger")
+def test_the_inbox_query_count_is_fixed_on_a_hundred_thousand_steps(
+    reviewer: User, run: Run, django_assert_num_queries: Any
+) -> None:
+    bulk_steps(run, 100_000)
+    assert Step.objects.filter(run=run).count() == 100_000
+    client = Client()
+    client.force_login(reviewer)
+    warm(client)
+    assert_fixed_count(client, django_assert_num_queries, expected_rows=100_000)
+
+
+@pytest.mark.usefixtures("ledger")
+def test_the_query_count_does_not_grow_with_the_steps_on_a_page(
+    reviewer: User, run: Run, django_assert_num_queries: Any
+) -> None:
+    client = Client()
+    client.force_login(reviewer)
+    warm(client)
+    bulk_steps(run, 3)
+    with django_assert_num_queries(INBOX_QUERIES):
+        few = client.get(reverse("inbox"), {"size": 100})
+    bulk_steps(run, 97)
+    with django_assert_num_queries(INBOX_QUERIES):
+        many = client.get(reverse("inbox"), {"size": 100})
+    assert few.content.decode().count('data-testid="inbox-row"') == 3
+    assert many.content.decode().count('data-testid="inbox-row"') == 100
