@@ -149,6 +149,8 @@ class Run(models.Model):
     name = models.CharField(max_length=200)
     # NULL, not "", when absent: the unique (agent, key) constraint ignores NULLs.
     key = models.CharField(max_length=200, null=True, blank=True)  # noqa: DJ001
+    # Hash of the creating request (name and budget): a repeat with the same key must match.
+    request_hash = models.CharField(max_length=64, blank=True, editable=False)
     status = models.CharField(max_length=20, choices=RunStatus.choices, default=RunStatus.OPEN)
     pause_reason = models.CharField(max_length=500, blank=True)
     max_calls = models.PositiveIntegerField(null=True, blank=True)

@@ -179,16 +179,25 @@ def run_create(
     """Creates a run, or returns the agent's existing run with the same `key` (created=False)."""
     if not agent.user.has_perm("executor.submit_steps", agent.workspace):
         raise NotPermitted("this agent may not submit work in its workspace")
+    request_hash = canonical_hash(
+        {
+            "name": name,
+            "max_calls": max_calls,
+            "max_cost": str(max_cost) if max_cost is not None else None,
+            "deadline_seconds": deadline_seconds,
+        }
+    )
     if key is not None:
         existing = Run.objects.filter(agent=agent, key=key).first()
         if existing is not None:
-            return existing, False
+            return _same_run_or_conflict(existing, request_hash), False
     now = timezone.now()
     run = Run(
         workspace_id=agent.workspace_id,
         agent=agent,
         name=name,
         key=key,
+        request_hash=request_hash,
         max_calls=max_calls,
         max_cost=max_cost,
         deadline=now + timedelta(seconds=deadline_seconds) if deadline_seconds else None,
@@ -201,8 +210,18 @@ def run_create(
         existing = Run.objects.filter(agent=agent, key=key).first()
         if existing is None:
             raise
-        return existing, False
+        return _same_run_or_conflict(existing, request_hash), False
     return run, True
+
+
+def _same_run_or_conflict(existing: Run, request_hash: str) -> Run:
+    # A budget a reviewer extended since does not matter: the request is what is compared.
+    if existing.request_hash and existing.request_hash != request_hash:
+        raise Conflict(
+            f"run key {existing.key!r} was already used with another name or budget",
+            {"run_id": str(existing.pk)},
+        )
+    return existing
 
 
 def run_cancel(*, run: Run, actor: str, reason: str = "") -> Run:

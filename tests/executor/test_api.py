@@ -185,6 +185,25 @@ def test_repeating_a_run_key_answers_200_with_the_same_run(api: ApiClient) -> No
     assert again.json()["id"] == first.json()["id"]
 
 
+@pytest.mark.parametrize(
+    "changed",
+    [{"name": "weekly"}, {"budget": {"max_calls": 5}}, {"budget": {"deadline_seconds": 60}}],
+    ids=["name", "max_calls", "deadline"],
+)
+def test_repeating_a_run_key_with_another_name_or_budget_is_a_conflict(
+    api: ApiClient, changed: dict[str, Any]
+) -> None:
+    body = {"name": "nightly", "key": "nightly-2024-01-02", "budget": {"max_calls": 3}}
+    first = api.post(f"{API}/runs", body)
+    again = api.post(f"{API}/runs", {**body, **changed})
+
+    assert first.status_code == 201
+    assert again.status_code == 409
+    assert again.json()["error"]["code"] == "conflict"
+    assert again.json()["error"]["details"] == {"run_id": first.json()["id"]}
+    assert Run.objects.filter(key="nightly-2024-01-02").count() == 1
+
+
 def test_reading_a_run_counts_its_steps_by_state(api: ApiClient, run: Any) -> None:
     post_step(api, run.pk, key="a")
     post_step(api, run.pk, key="b")
