@@ -175,6 +175,8 @@ TICKETDESK_TIMEOUT_SECONDS = float(os.environ.get("TICKETDESK_TIMEOUT_SECONDS", 
 BROKER_DIR = Path(os.environ.get("STEPWARD_BROKER_DIR", VAR_DIR / "broker"))
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "filesystem://")
 if CELERY_BROKER_URL == "filesystem://":
+    # kombu's filesystem transport, with atomic message files (see console/broker.py).
+    CELERY_BROKER_URL = "stepwardfs://"
     CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, object] = {
         "data_folder_in": str(BROKER_DIR / "messages"),
         "data_folder_out": str(BROKER_DIR / "messages"),
