@@ -20,14 +20,15 @@ from kombu.utils.json import dumps
 
 
 class Channel(filesystem.Channel):
-    def _put(self, queue: str, message: Any) -> None:
+    # kombu's own annotations disagree between its base channel and the filesystem one.
+    def _put(self, queue: str, payload: dict[str, Any], **kwargs: Any) -> None:  # type: ignore[override]
         name = f"{round(monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
         final = os.path.join(self.data_folder_out, name)
         # Readers take only names ending in exactly ".<queue>.msg".
         partial = final + ".part"
         try:
             with open(partial, "wb") as handle:
-                handle.write(str_to_bytes(dumps(message)))
+                handle.write(str_to_bytes(dumps(payload)))
             os.replace(partial, final)
         except OSError as error:
             raise ChannelError(f"Cannot add file {final!r} to directory") from error
