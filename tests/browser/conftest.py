@@ -1,0 +1,498 @@
+"""Browser fixtures: Debian's Chromium driven by Playwright against the live server, signed-in
+sessions, a few small tools, and the ticket desk and a Celery worker as real processes on the
+test's own database and on a queue of this test process.
+
+Chromium is launched as STACK-NOTES.md says: `/usr/bin/chromium` with the flags below, never
+a browser that `playwright install` would download.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+from typing import Any, ClassVar
+from urllib.parse import quote
+
+import httpx
+import pytest
+from django.conf import settings as django_settings
+from django.contrib.auth.models import User
+from django.db import connection
+from django.test import Client
+from guardian.shortcuts import assign_perm, remove_perm
+from playwright.sync_api import BrowserContext, Page, expect
+
+from console.celery import app as celery_app
+from executor import engine, services, tasks
+from executor.models import Agent, ApprovalRule, Effect, Idempotency, Run, Step, Workspace
+from executor.models import Tool as ToolRow
+from executor.states import State
+from executor.tools.base import (
+    FailureClass,
+    Invocation,
+    RetryPolicy,
+    Tool,
+    ToolError,
+    ToolResult,
+    register,
+    unregister,
+)
+
+os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # pytest-django live_server + Playwright
+
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
+# The README screenshots are 1280 px wide.
+VIEWPORT = {"width": 1280, "height": 900}
+# Deadlines only decide when a stuck test gives up, never whether a working one passes. The
+# console polls its live regions every 5 s, so an auto-waiting assertion on a region that
+# the server changed must be allowed a few of those.
+expect.set_options(timeout=20_000)
+DEADLINE_SECONDS = 60.0
+POLL_SECONDS = 0.05
+
+BASE_DIR = Path(__file__).resolve().parents[2]
+BIN_DIR = Path(sys.executable).parent
+# The in-process worker is named as a real one is: host:pid.
+WORKER = engine.worker_name()
+
+
+@pytest.fixture(scope="session")
+def browser_type_launch_args(browser_type_launch_args: dict[str, Any]) -> dict[str, Any]:
+    return {
+        **browser_type_launch_args,
+        "executable_path": "/usr/bin/chromium",
+        "args": [*browser_type_launch_args.get("args", []), *CHROMIUM_ARGS],
+    }
+
+
+@pytest.fixture(scope="session")
+def browser_context_args(browser_context_args: dict[str, Any]) -> dict[str, Any]:
+    return {**browser_context_args, "viewport": VIEWPORT, "device_scale_factor": 1}
+
+
+@pytest.fixture(autouse=True)
+def plain_static_files(settings: Any) -> None:
+    # The manifest storage of the settings needs `collectstatic`, which a test run skips.
+    settings.STORAGES = {
+        **settings.STORAGES,
+        "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
+    }
+
+
+@pytest.fixture(autouse=True)
+def _no_broker_messages(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Overrides tests/conftest.py: a test with a real worker publishes for real.
+
+    The others drive the engine in this process and publish nothing, so no message of
+    theirs waits on a broker that no worker of theirs reads.
+    """
+    if "worker" in request.fixturenames:
+        yield
+        return
+    with tasks.publish_suppressed():
+        yield
+
+
+def wait_until[T](
+    probe: Callable[[], T], *, what: str, diagnose: Callable[[], str] | None = None
+) -> T:
+    """Polls `probe` until it returns something truthy; fails at the deadline."""
+    deadline = time.monotonic() + DEADLINE_SECONDS
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            detail = diagnose() if diagnose is not None else ""
+            pytest.fail(f"gave up after {DEADLINE_SECONDS:g}s waiting for {what}\n{detail}")
+        time.sleep(POLL_SECONDS)
+
+
+# --- signing in ---------------------------------------------------------------------------
+
+
+def sign_in(context: BrowserContext, user: User, base_url: str) -> None:
+    """Gives the browser a session of `user`, as the login form would have (test 1 uses it)."""
+    client = Client()
+    client.force_login(user)
+    name = django_settings.SESSION_COOKIE_NAME
+    context.add_cookies([{"name": name, "value": client.cookies[name].value, "url": base_url}])
+
+
+@pytest.fixture
+def bob_page(page: Page, reviewer: User, live_server: Any) -> Page:
+    """A browser signed in as bob, who holds every reviewer permission on acme."""
+    sign_in(page.context, reviewer, live_server.url)
+    return page
+
+
+@pytest.fixture
+def second_reviewer(workspace: Workspace) -> User:
+    """erin, a second reviewer with every reviewer permission on acme."""
+    return services.reviewer_create(workspace=workspace, username="erin", password="erin-pw")
+
+
+# --- tools --------------------------------------------------------------------------------
+
+
+class ExampleTool(Tool):
+    idempotency = Idempotency.NONE
+    requires_approval = ApprovalRule.NEVER
+    compensation = ""
+    retry = RetryPolicy(initial_interval=10, max_interval=60, max_attempts=3, deadline=3600)
+    input_schema: ClassVar[dict[str, Any]] = {"type": "object"}
+
+    def invoke(self, call: Invocation) -> ToolResult:
+        return ToolResult(result={"ok": True}, external_id=f"X-{call.operation_id[:8]}")
+
+
+class Refund(ExampleTool):
+    """A call a person must approve, every time."""
+
+    name = "example.refund"
+    description = "Refunds a payment (a test tool): every call needs a person's approval."
+    effect = Effect.WRITE
+    requires_approval = ApprovalRule.ALWAYS
+
+    def invoke(self, call: Invocation) -> ToolResult:
+        refund_id = f"RF-{call.operation_id[:8]}"
+        return ToolResult(result={"refund_id": refund_id}, external_id=refund_id)
+
+
+class Webhook(ExampleTool):
+    """Its endpoint is down: every attempt fails transiently before anything is sent."""
+
+    name = "example.webhook"
+    description = "Posts an event to a partner's webhook (a test tool whose partner is down)."
+    effect = Effect.WRITE
+    # The smallest backoff the contract allows: its retries are due at once.
+    retry = RetryPolicy(initial_interval=0.001, max_interval=0.001, max_attempts=3, deadline=3600)
+
+    def invoke(self, call: Invocation) -> ToolResult:
+        raise ToolError(
+            FailureClass.UNAVAILABLE,
+            "503 Service Unavailable from hooks.partner.example before the request was read",
+        )
+
+
+class Summarize(ExampleTool):
+    """A pure call with a cost, so that a run's budget shows spending."""
+
+    name = "example.summarize"
+    description = "Summarizes a text (a test tool that costs 0.02 per call)."
+    effect = Effect.PURE
+
+    def invoke(self, call: Invocation) -> ToolResult:
+        return ToolResult(result={"summary": "three tickets, one urgent"})
+
+    def cost(self, result: ToolResult) -> Decimal:
+        return Decimal("0.02")
+
+
+EXAMPLE_TOOLS: tuple[type[ExampleTool], ...] = (Refund, Webhook, Summarize)
+
+
+@pytest.fixture
+def tools(agent: Agent) -> Iterator[None]:
+    """Registers the example tools and lets the agent use them."""
+    for cls in EXAMPLE_TOOLS:
+        register(cls)
+    try:
+        services.tools_sync()
+        for row in ToolRow.objects.filter(name__in=[cls.name for cls in EXAMPLE_TOOLS]):
+            assign_perm("executor.use_tool", agent.user, row)
+        yield
+    finally:
+        for cls in EXAMPLE_TOOLS:
+            unregister(cls.name)
+
+
+# --- steps, through the engine -------------------------------------------------------------
+
+
+def post(agent: Agent, run: Run, tool: str, key: str, tool_input: dict[str, Any]) -> Step:
+    step, created = services.step_post(
+        agent=agent, run=run, key=key, tool_name=tool, input=tool_input
+    )
+    assert created
+    return step
+
+
+def fresh(step: Step) -> Step:
+    return Step.objects.select_related("run", "run__workspace").get(pk=step.pk)
+
+
+def execute(step: Step) -> Step:
+    """Runs the step's due attempt in this process, as a worker would."""
+    outcome = engine.process(step.pk, worker=WORKER)
+    assert outcome != engine.Outcome.SKIPPED, f"{step.key} was not claimable"
+    return fresh(step)
+
+
+def dead_letter(agent: Agent, run: Run, key: str) -> Step:
+    """An example.webhook call retried until its attempts ran out: `dead`."""
+    step = post(agent, run, "example.webhook", key, {"event": "invoice.paid", "n": key})
+
+    def attempted() -> Step | None:
+        # Each retry is due as soon as its (sub-millisecond) backoff has passed.
+        engine.process(step.pk, worker=WORKER)
+        current = fresh(step)
+        return current if current.state == State.DEAD else None
+
+    return wait_until(attempted, what=f"{key} to be dead")
+
+
+def blocked_step(agent: Agent, run: Run, key: str) -> Step:
+    """An email whose agent lost `use_tool` before the claim: the recheck blocks it."""
+    step = post(
+        agent,
+        run,
+        "email.send",
+        key,
+        {"to": "customer@example.com", "subject": "Your ticket", "body": "We are on it."},
+    )
+    row = ToolRow.objects.get(name="email.send")
+    remove_perm("executor.use_tool", agent.user, row)
+    outcome = engine.claim_step(step.pk, worker=WORKER)
+    assign_perm("executor.use_tool", agent.user, row)
+    assert outcome == State.BLOCKED, outcome
+    return fresh(step)
+
+
+# --- the ticket desk, a real process ---------------------------------------------------------
+
+
+@dataclass
+class DeskProcess:
+    url: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def pause(self) -> None:
+        os.kill(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.process.pid, signal.SIGCONT)
+
+
+@pytest.fixture(scope="session")
+def desk_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DeskProcess]:
+    tmp = tmp_path_factory.mktemp("browser-desk")
+    log_path = tmp / "desk.log"
+    db = str(tmp / "desk.sqlite3")
+    with log_path.open("wb") as log:
+        # Port 0: the desk binds a free port and prints it, so there is no race for one.
+        process = subprocess.Popen(
+            [sys.executable, "manage.py", "ticketdesk", "--port", "0", "--quiet", "--db", db],
+            cwd=BASE_DIR,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "STEPWARD_VAR_DIR": str(tmp), "PYTHONUNBUFFERED": "1"},
+        )
+
+    def listening_url() -> str | None:
+        if process.poll() is not None:
+            pytest.fail(f"the desk exited with {process.returncode}: {log_path.read_text()}")
+        match = re.search(r"listening on (http://\S+)", log_path.read_text())
+        return match.group(1) if match else None
+
+    url = wait_until(listening_url, what="the desk's listening line")
+    desk = DeskProcess(url=url, process=process, log_path=log_path)
+    try:
+        yield desk
+    finally:
+        desk.resume()
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=DEADLINE_SECONDS)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@dataclass
+class Desk:
+    """A client of the running desk: what the external system itself says."""
+
+    process: DeskProcess
+    client: httpx.Client = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.client = httpx.Client(base_url=self.process.url, timeout=30)
+
+    @property
+    def url(self) -> str:
+        return self.process.url
+
+    def tickets(self, client_ref: Any) -> list[dict[str, Any]]:
+        """GET /tickets?client_ref=…, as a person searching the desk would."""
+        response = self.client.get("/tickets", params={"client_ref": str(client_ref)})
+        assert response.status_code == 200, response.text
+        return list(response.json()["tickets"])
+
+    def ticket(self, ticket_id: Any) -> dict[str, Any]:
+        response = self.client.get(f"/tickets/{ticket_id}")
+        assert response.status_code == 200, response.text
+        return dict(response.json())
+
+    def faults(self, **faults: Any) -> None:
+        response = self.client.post("/faults", json=faults)
+        assert response.status_code == 200, response.text
+
+
+@pytest.fixture
+def desk(desk_process: DeskProcess, settings: Any) -> Iterator[Desk]:
+    """The desk with no faults; this process's tools point at it."""
+    settings.TICKETDESK_URL = desk_process.url
+    client = Desk(desk_process)
+    client.faults(reset=True)
+    yield client
+    client.faults(reset=True)
+    client.client.close()
+
+
+# --- a Celery worker, a real process -----------------------------------------------------------
+
+
+def database_url() -> str:
+    """The URL of the database this test runs on (the test database, not the main one)."""
+    db = connection.settings_dict
+    if connection.vendor == "sqlite":
+        return f"sqlite:///{Path(db['NAME']).resolve()}"
+    if connection.vendor == "postgresql":
+        auth = quote(db["USER"] or "", safe="")
+        if db.get("PASSWORD"):
+            auth += ":" + quote(db["PASSWORD"], safe="")
+        host = db.get("HOST") or "127.0.0.1"
+        port = db.get("PORT") or 5432
+        return f"postgres://{auth}@{host}:{port}/{db['NAME']}"
+    raise NotImplementedError(f"no worker URL for {connection.vendor}")
+
+
+def use_queue(queue: str) -> None:
+    """Makes this process publish to `queue`, before or after its app first published."""
+    django_settings.CELERY_TASK_DEFAULT_QUEUE = queue
+    celery_app.conf.task_default_queue = queue
+    for cached in ("queues", "default_queue", "router"):
+        celery_app.amqp.__dict__.pop(cached, None)
+
+
+@pytest.fixture(scope="package")
+def browser_queue() -> Iterator[str]:
+    """A queue of this test process alone: a stranger's worker on the machine's default
+    queue (one var/broker folder, one Redis list) would take our messages and skip them."""
+    configured = django_settings.CELERY_TASK_DEFAULT_QUEUE
+    own = f"{configured}-browser-{os.getpid()}"
+    use_queue(own)
+    celery_app.control.purge()
+    try:
+        yield own
+    finally:
+        celery_app.control.purge()
+        use_queue(configured)
+
+
+@dataclass
+class WorkerProcess:
+    """`celery -A console worker --pool solo`: one process, so a crash ends the worker."""
+
+    env: dict[str, str]
+    log_path: Path
+    queue: str
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> WorkerProcess:
+        argv = [str(BIN_DIR / "celery"), "-A", "console", "worker", "--pool", "solo"]
+        argv += ["-n", f"browser-{os.getpid()}@%h", "--loglevel", "INFO", "-Q", self.queue]
+        argv += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                argv, cwd=BASE_DIR, env=self.env, stdout=log, stderr=subprocess.STDOUT
+            )
+
+        def ready() -> bool:
+            if re.search(r"@\S+ ready\.", self.log()):
+                return True
+            if self.process is not None and self.process.poll() is not None:
+                pytest.fail(f"the worker ended while starting\n{self.log()}")
+            return False
+
+        wait_until(ready, what="the worker to be ready", diagnose=self.log)
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def wait_exit(self) -> int:
+        process = self.process
+        assert process is not None
+        wait_until(lambda: process.poll() is not None, what="the worker to end", diagnose=self.log)
+        return process.returncode
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=DEADLINE_SECONDS)
+
+
+@pytest.fixture
+def worker(
+    browser_queue: str, transactional_db: Any, desk: Desk, tmp_path: Path
+) -> Iterator[Callable[..., WorkerProcess]]:
+    """Starts workers on this test's database, broker and queue; stops them at the end.
+
+    Short leases, so that a crashed worker's step is recoverable within the test. Start a
+    worker after publishing what it should take: kombu's filesystem transport can hand a
+    polling reader a message file that its writer has created but not yet written, and
+    the worker then dies of a JSONDecodeError.
+    """
+    assert celery_app.conf.broker_url == django_settings.CELERY_BROKER_URL
+    assert celery_app.amqp.router.route({}, "stepward.execute_step")["queue"].name == browser_queue
+    started: list[WorkerProcess] = []
+
+    def start(**env: str) -> WorkerProcess:
+        full_env = {
+            **os.environ,
+            "CELERY_BROKER_URL": django_settings.CELERY_BROKER_URL,
+            "CELERY_QUEUE": browser_queue,
+            "STEPWARD_BROKER_DIR": str(django_settings.BROKER_DIR),
+            "DATABASE_URL": database_url(),
+            "DJANGO_SETTINGS_MODULE": "console.settings",
+            "TICKETDESK_URL": desk.url,
+            "EXECUTOR_LEASE_SECONDS": "2",
+            "EXECUTOR_ALLOW_FAULTS": "0",
+            "EXECUTOR_FAULTS": "",
+            "PYTHONUNBUFFERED": "1",
+            **env,
+        }
+        full_env.pop("EXECUTOR_FAULTS_SEED", None)
+        process = WorkerProcess(
+            full_env, tmp_path / f"worker-{len(started) + 1}.log", browser_queue
+        )
+        started.append(process)
+        return process.start()
+
+    yield start
+    for process in started:
+        process.stop()
