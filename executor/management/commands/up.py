@@ -51,6 +51,9 @@ class Command(BaseCommand):
         call_command("collectstatic", interactive=False, verbosity=0)
         if not options["no_demo"]:
             self.create_demo(public=options["host"] not in ("127.0.0.1", "localhost", "::1"))
+        if not options["no_desk"]:
+            # Children inherit the environment: point the tools at the desk started here.
+            os.environ.setdefault("TICKETDESK_URL", f"http://127.0.0.1:{options['desk_port']}")
         python = sys.executable
         manage = str(settings.BASE_DIR / "manage.py")
         celery = [python, "-m", "celery", "-A", "console"]
