@@ -174,7 +174,7 @@ TICKETDESK_TIMEOUT_SECONDS = float(os.environ.get("TICKETDESK_TIMEOUT_SECONDS", 
 # Unset, the broker is kombu's filesystem transport in VAR_DIR: no server needed.
 BROKER_DIR = Path(os.environ.get("STEPWARD_BROKER_DIR", VAR_DIR / "broker"))
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "filesystem://")
-if CELERY_BROKER_URL == "filesystem://":
+if CELERY_BROKER_URL in ("filesystem://", "stepwardfs://"):
     # kombu's filesystem transport, with atomic message files (see console/broker.py).
     CELERY_BROKER_URL = "stepwardfs://"
     CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, object] = {
