@@ -1,0 +1,167 @@
+"""`manage.py drill`: a recovery drill (DESIGN.md §5, §13) recorded as a DrillReport."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from executor.drill import (
+    BREAKS,
+    DEFAULT_DESK_FAULTS,
+    DEFAULT_WORKER_FAULTS,
+    Drill,
+    DrillConfig,
+    DrillError,
+    parse_desk_faults,
+    parse_worker_faults,
+    redact_url,
+    same_database,
+    summary_lines,
+)
+
+
+class Command(BaseCommand):
+    help = (
+        "Runs a recovery drill: starts a ticket desk, a sweeper and worker processes, posts "
+        "steps while workers crash at the interruption points and are killed, then checks "
+        "every invariant of DESIGN.md §13 and records a DrillReport. Exits non-zero on any "
+        "violation. Run it against a drill database, never against production's: its "
+        "sweeper acts on every run of the database."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--steps", type=int, default=300, help="steps to post (300)")
+        parser.add_argument("--workers", type=int, default=2, help="worker processes (2)")
+        parser.add_argument(
+            "--rates",
+            default=DEFAULT_WORKER_FAULTS,
+            help=f"worker crash rates per interruption point ({DEFAULT_WORKER_FAULTS})",
+        )
+        parser.add_argument(
+            "--desk-faults",
+            default=DEFAULT_DESK_FAULTS,
+            help=f"the desk's 503, 429 and dropped-connection rates ({DEFAULT_DESK_FAULTS})",
+        )
+        parser.add_argument(
+            "--kill-every",
+            type=float,
+            default=10.0,
+            metavar="SECONDS",
+            help="mean seconds between random SIGKILLs of a worker; 0 for none (10)",
+        )
+        parser.add_argument(
+            "--freeze-every",
+            type=float,
+            default=15.0,
+            metavar="SECONDS",
+            help="mean seconds between freezes of a worker (SIGSTOP past its lease, then "
+            "SIGCONT); 0 for none (15)",
+        )
+        parser.add_argument("--seed", type=int, default=None, help="default: a random one")
+        parser.add_argument(
+            "--compensate",
+            type=float,
+            default=0.1,
+            help="share of completed desk steps a drill reviewer compensates (0.1)",
+        )
+        parser.add_argument(
+            "--database",
+            default="",
+            metavar="URL",
+            help="the ledger to drill (default: DATABASE_URL / settings); workers get it too",
+        )
+        parser.add_argument(
+            "--broker",
+            default="",
+            metavar="URL",
+            help="default: CELERY_BROKER_URL, or an embedded broker in a fresh temp folder",
+        )
+        parser.add_argument(
+            "--timeout",
+            type=float,
+            default=900.0,
+            metavar="SECONDS",
+            help="how long to wait for every step to settle (900)",
+        )
+        # Test-only: a deliberately broken engine, to show that the drill can fail.
+        parser.add_argument("--break", dest="break_engine", choices=BREAKS, help=argparse.SUPPRESS)
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        # One line per request to the drill's desk would bury the progress.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        if options["database"] and not same_database(options["database"]):
+            self.run_on_other_database(options)
+            return
+        try:
+            config = DrillConfig(
+                steps=options["steps"],
+                workers=options["workers"],
+                worker_faults=parse_worker_faults(options["rates"]),
+                desk_faults=parse_desk_faults(options["desk_faults"]),
+                kill_every=options["kill_every"],
+                freeze_every=options["freeze_every"],
+                compensate=options["compensate"],
+                broker_url=options["broker"],
+                timeout=options["timeout"],
+                break_engine=options["break_engine"] or "",
+            )
+            if options["seed"] is not None:
+                config.seed = options["seed"]
+            drill = Drill(
+                config,
+                write=lambda text: self.stdout.write(text, ending=""),
+                interactive=self.stdout.isatty(),
+            )
+            report = drill.run()
+        except DrillError as error:
+            raise CommandError(str(error)) from error
+        for line in summary_lines(report):
+            self.stdout.write(line)
+        if not report.passed:
+            raise CommandError(
+                f"drill {report.pk} FAILED: {report.duplicates} duplicates, {report.lost} lost; "
+                "every violation is in its notes"
+            )
+
+    def run_on_other_database(self, options: dict[str, Any]) -> None:
+        """Settings are read once per process: the drill runs in a child on that database."""
+        argv = [
+            sys.executable,
+            str(Path(settings.BASE_DIR) / "manage.py"),
+            "drill",
+            f"--steps={options['steps']}",
+            f"--workers={options['workers']}",
+            f"--rates={options['rates']}",
+            f"--desk-faults={options['desk_faults']}",
+            f"--kill-every={options['kill_every']}",
+            f"--freeze-every={options['freeze_every']}",
+            f"--compensate={options['compensate']}",
+            f"--timeout={options['timeout']}",
+        ]
+        if options["seed"] is not None:
+            argv.append(f"--seed={options['seed']}")
+        if options["broker"]:
+            argv.append(f"--broker={options['broker']}")
+        if options["break_engine"]:
+            argv.append(f"--break={options['break_engine']}")
+        child = subprocess.Popen(  # noqa: S603 - our own interpreter and command
+            argv,
+            cwd=settings.BASE_DIR,
+            env={**os.environ, "DATABASE_URL": options["database"]},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        assert child.stdout is not None
+        for line in child.stdout:
+            self.stdout.write(line, ending="")
+        if child.wait() != 0:
+            raise CommandError(f"the drill on {redact_url(options['database'])} failed")
