@@ -43,8 +43,11 @@ class ApiClient:
 
     def post(self, path: str, data: Any = None, **extra: Any) -> Any:
         return self.client.post(
-            path, data=data if data is not None else {}, content_type="application/json",
-            **self.headers, **extra,
+            path,
+            data=data if data is not None else {},
+            content_type="application/json",
+            **self.headers,
+            **extra,
         )
 
 
