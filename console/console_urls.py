@@ -24,4 +24,6 @@ urlpatterns = [
     path("runs/<uuid:pk>/", views.run_page, name="run"),
     path("runs/<uuid:pk>/live/", views.run_live, name="run_live"),
     path("runs/<uuid:pk>/extend/", views.run_extend, name="run_extend"),
+    path("drills/", views.drills, name="drills"),
+    path("drills/<int:pk>/", views.drill_page, name="drill"),
 ]

@@ -42,7 +42,7 @@ from console.forms import (
 )
 from console.http import HtmxHttpRequest, ReviewerRequest
 from executor import selectors, services
-from executor.models import Run, RunStatus, Step, Workspace
+from executor.models import DrillReport, Run, RunStatus, Step, Workspace
 from executor.selectors import Cursor, InboxFilter, InboxKind
 from executor.services import Resolution
 from executor.states import State
@@ -1016,3 +1016,28 @@ def run_extend(request: ReviewerRequest, pk: Any) -> HttpResponse:
         return trigger_client_event(response, INBOX_CHANGED)
     messages.success(request, notice)
     return redirect("run", pk=run.pk)
+
+
+# --- recovery drills -------------------------------------------------------------------
+# A drill tests the system, not a workspace's work: any signed-in reviewer may read them.
+
+
+@require_GET
+@reviewer_required
+def drills(request: ReviewerRequest) -> HttpResponse:
+    reports = DrillReport.objects.order_by("-started_at")[:100]
+    return _render(request, "console/drills.html", {"reports": reports})
+
+
+@require_GET
+@reviewer_required
+def drill_page(request: ReviewerRequest, pk: int) -> HttpResponse:
+    report = get_object_or_404(DrillReport, pk=pk)
+    context = {
+        "report": report,
+        "counts": sorted(report.counts.items()),
+        "points": sorted(report.interruption_points.items()),
+        "parameters": sorted(report.parameters.items()),
+        "notes": [line for line in report.notes.splitlines() if line.strip()],
+    }
+    return _render(request, "console/drill.html", context)
