@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandParser
@@ -49,8 +50,11 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         call_command("collectstatic", interactive=False, verbosity=0)
+        token = ""
         if not options["no_demo"]:
-            self.create_demo(public=options["host"] not in ("127.0.0.1", "localhost", "::1"))
+            token = self.create_demo(
+                public=options["host"] not in ("127.0.0.1", "localhost", "::1")
+            )
         if not options["no_desk"]:
             # Children inherit the environment: point the tools at the desk started here.
             os.environ.setdefault("TICKETDESK_URL", f"http://127.0.0.1:{options['desk_port']}")
@@ -98,9 +102,40 @@ class Command(BaseCommand):
                 f"(API at /api/v1/, docs at /api/v1/docs). Ctrl-C stops it."
             )
         )
+        demo = None
+        if token and self.wait_for_web(options["host"], options["port"]):
+            # Once: a real run for the console to show.
+            demo = subprocess.Popen(  # noqa: S603
+                [
+                    python,
+                    "-m",
+                    "executor.demo",
+                    "--url",
+                    f"http://{options['host']}:{options['port']}",
+                    "--token",
+                    token,
+                    "--desk",
+                    os.environ.get("TICKETDESK_URL", settings.TICKETDESK_URL),
+                ]
+            )
+        elif token:
+            self.stderr.write("the web server did not answer within 60 s: no demo run")
         self.supervise(children)
+        if demo is not None and demo.poll() is None:
+            demo.terminate()
 
-    def create_demo(self, *, public: bool) -> None:
+    def wait_for_web(self, host: str, port: int) -> bool:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://{host}:{port}/api/v1/openapi.json", timeout=2).is_success:
+                    return True
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        return False
+
+    def create_demo(self, *, public: bool) -> str:
         workspace = services.workspace_get_or_create(slug="demo", name="Demo")
         # A well-known password only while the console listens on loopback.
         password = secrets.token_urlsafe(9) if public else "reviewer"
@@ -115,6 +150,7 @@ class Command(BaseCommand):
             "agent 'demo-agent' token (new at every start):"
         )
         self.stdout.write(token)
+        return token
 
     def supervise(self, children: list[Child]) -> None:
         stopping = False
