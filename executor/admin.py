@@ -115,6 +115,11 @@ class AgentInline(ReadOnlyInline):
     ordering = ["name"]
 
 
+def console_url(name: str, pk: Any) -> str:
+    """A console page by URL name; the ledger's app does not import the console."""
+    return reverse(name, args=[pk])
+
+
 @admin.register(Workspace)
 class WorkspaceAdmin(GuardedModelAdmin):
     list_display = ["slug", "name", "agent_count", "run_count", "created_at"]
@@ -336,6 +341,10 @@ class AgentAdmin(admin.ModelAdmin):
 
 @admin.register(Run)
 class RunAdmin(ReadOnlyAdmin):
+    # "View on site": the run's page in the reviewers' console.
+    def view_on_site(self, obj: Run) -> str:
+        return console_url("run", obj.pk)
+
     list_display = [
         "name",
         "workspace",
@@ -445,6 +454,10 @@ class ApprovalInline(ReadOnlyInline):
 
 @admin.register(Step)
 class StepAdmin(ReadOnlyAdmin):
+    # "View on site": the step's page in the reviewers' console, with its decisions.
+    def view_on_site(self, obj: Step) -> str:
+        return console_url("step", obj.pk)
+
     list_display = [
         "key",
         "run",
@@ -617,6 +630,9 @@ class ApprovalAdmin(ReadOnlyAdmin):
 
 @admin.register(DrillReport)
 class DrillReportAdmin(ReadOnlyAdmin):
+    def view_on_site(self, obj: DrillReport) -> str:
+        return console_url("drill", obj.pk)
+
     list_display = [
         "started_at",
         "version",

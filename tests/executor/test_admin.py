@@ -34,15 +34,6 @@ def admin_url(model: type[Any], view: str, *args: Any) -> str:
     return reverse(f"admin:executor_{model._meta.model_name}_{view}", args=args)
 
 
-@pytest.fixture(autouse=True)
-def plain_static_files(settings: Any) -> None:
-    # The manifest storage of the settings needs `collectstatic`, which a test run skips.
-    settings.STORAGES = {
-        **settings.STORAGES,
-        "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
-    }
-
-
 @pytest.fixture
 def admin_client(client: Client, owner: Any) -> Client:
     client.force_login(owner)
@@ -325,3 +316,16 @@ def test_drill_report_page_shows_its_counts(
     content = admin_client.get(admin_url(DrillReport, "change", drill.pk)).content.decode()
 
     assert "&quot;completed&quot;: 10" in content
+
+
+@pytest.mark.parametrize(("model", "console"), [(Step, "step"), (Run, "run")])
+def test_a_ledger_row_links_to_its_console_page(
+    admin_client: Client, ledger: dict[type[Any], Any], model: type[Any], console: str
+) -> None:
+    obj = ledger[model]
+    page = admin_client.get(admin_url(model, "change", obj.pk))
+
+    assert page.status_code == 200
+    link = reverse(console, args=[obj.pk])
+    assert f'href="{link}"' in page.content.decode()
+    assert admin_client.get(link).status_code == 200
