@@ -513,5 +513,7 @@ def run_cancel(
     operation_id="run_report",
     summary="What the run did: completed (with evidence), uncertain, failed, compensated",
 )
-def run_report(request: HttpRequest, run_id: RunId) -> dict[str, Any]:
-    return selectors.run_report(run=_run_or_404(_agent(request), run_id))
+def run_report(request: HttpRequest, run_id: RunId, reconcile: bool = False) -> dict[str, Any]:
+    """`?reconcile=true` also asks each tool's external system for its own count of the
+    run's effects (`usage.external`)."""
+    return selectors.run_report(run=_run_or_404(_agent(request), run_id), external=reconcile)

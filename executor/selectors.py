@@ -77,8 +77,12 @@ def step_evidence(step: Step) -> dict[str, Any]:
     return evidence
 
 
-def run_report(*, run: Run) -> dict[str, Any]:
-    """What a person reads after a run: each step in its section, usage, one summary line."""
+def run_report(*, run: Run, external: bool = False) -> dict[str, Any]:
+    """What a person reads after a run: each step in its section, usage, one summary line.
+
+    Usage is reconciled: the run's counters against its attempts, and with `external`,
+    each tool's confirmed effects against the count its external system keeps.
+    """
     section_of = {state: name for name, states in REPORT_SECTIONS.items() for state in states}
     report: dict[str, Any] = {name: [] for name in REPORT_SECTIONS}
     steps = (
@@ -93,6 +97,7 @@ def run_report(*, run: Run) -> dict[str, Any]:
             "failure_message",
             "attempt_count",
             "position",
+            "operation_id",
         )
         .order_by("position")
     )
@@ -109,9 +114,56 @@ def run_report(*, run: Run) -> dict[str, Any]:
         )
     usage = run_usage(run=run)
     usage["attempts"] = run_attempt_usage(run=run)
+    usage["reconciled"] = {
+        "calls": usage["calls"] == usage["attempts"]["calls"],
+        "cost": abs(usage["cost"] - usage["attempts"]["cost"]) < 1e-9,
+    }
+    if external:
+        usage["external"] = external_usage(list(steps))
     report["usage"] = usage
     report["summary"] = report_summary(report)
     return report
+
+
+CONFIRMED = (State.COMPLETED, State.COMPENSATED)
+
+
+def external_usage(steps: list[Step]) -> dict[str, Any]:
+    """Per tool: effects the ledger confirms, and the count the external system keeps.
+
+    It agrees when every confirmed step has its one effect there, no operation has more
+    than one, and only `unknown` steps may account for the rest.
+    """
+    from executor.tools.base import get_tool
+
+    by_tool: dict[str, list[Step]] = {}
+    for step in steps:
+        by_tool.setdefault(step.tool_id, []).append(step)
+    answer: dict[str, Any] = {}
+    for name, tool_steps in sorted(by_tool.items()):
+        try:
+            tool = get_tool(name)
+        except LookupError:
+            continue
+        counted = tool.effects_counted([str(s.operation_id) for s in tool_steps])
+        if counted is None:
+            continue
+        confirmed = [s for s in tool_steps if s.state in CONFIRMED]
+        unknown = [s for s in tool_steps if s.state == State.UNKNOWN]
+        total = sum(counted.values())
+        duplicates = sorted(s.key for s in tool_steps if counted[str(s.operation_id)] > 1)
+        missing = sorted(s.key for s in confirmed if counted[str(s.operation_id)] == 0)
+        answer[name] = {
+            "confirmed_in_ledger": len(confirmed),
+            "unknown_in_ledger": len(unknown),
+            "counted_by_system": total,
+            "duplicates": duplicates,
+            "confirmed_but_not_found": missing,
+            "agrees": not duplicates
+            and not missing
+            and len(confirmed) <= total <= len(confirmed) + len(unknown),
+        }
+    return answer
 
 
 def report_summary(report: dict[str, Any]) -> str:

@@ -155,6 +155,11 @@ class Tool:
     def cost(self, result: ToolResult) -> Decimal:
         return Decimal(0)
 
+    def effects_counted(self, operation_ids: list[str]) -> dict[str, int] | None:
+        """How many effects the external system itself counts per operation id, or None
+        where it cannot say. Used to reconcile a run's usage against the other side."""
+        return None
+
     def compensation_input(self, external_id: str, result: Any) -> dict[str, Any]:
         """The input of the compensating tool's step that undoes a completed call."""
         return {"external_id": external_id, "result": result}

@@ -192,6 +192,16 @@ class _CreateTicket(Tool):
     def compensation_input(self, external_id: str, result: Any) -> dict[str, Any]:
         return {"ticket_id": external_id}
 
+    def effects_counted(self, operation_ids: list[str]) -> dict[str, int] | None:
+        # The desk's own count of tickets per client reference (= our operation id).
+        try:
+            response = httpx.get(_url("/stats"), timeout=_timeout())
+            response.raise_for_status()
+            by_ref = response.json()["by_client_ref"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return None
+        return {op: int(by_ref.get(op, 0)) for op in operation_ids}
+
     def lookup(self, call: Invocation) -> Lookup:
         # Sending our fence makes the desk refuse a slower request from an older lease
         # that has not committed yet, so `not_found` stays true after we answer it.
