@@ -932,7 +932,8 @@ def _run_context(
     notice: str = "",
 ) -> dict[str, Any]:
     counts = selectors.run_counts(run=run)
-    report = selectors.run_report(run=run)
+    # Asking the external systems for their own counts is a network call: only on request.
+    report = selectors.run_report(run=run, external=request.GET.get("reconcile") == "1")
     shown = list(run.steps.order_by("position")[:RUN_STEPS_SHOWN])
     return {
         "run": run,

@@ -126,3 +126,21 @@ def test_the_api_reconciles_against_the_desk_only_when_asked(
     assert "external" not in plain["usage"]
     assert asked["usage"]["external"] == {}  # echo keeps no count of its own
     assert plain["usage"]["reconciled"] == {"calls": True, "cost": True}
+
+
+@pytest.mark.usefixtures("desk_settings")
+def test_the_console_run_page_shows_the_reconciliation_on_request(
+    agent: Agent, run: Run, client: Any, reviewer: Any
+) -> None:
+    step = post(agent, run, "t", "ticketdesk.create", title="once")
+    engine.process(step.pk, worker="w")
+    client.force_login(reviewer)
+
+    plain = client.get(f"/runs/{run.pk}/").content.decode()
+    asked = client.get(f"/runs/{run.pk}/?reconcile=1").content.decode()
+
+    assert "Calls: 1 counted, 1 submitted attempts" in " ".join(plain.split())
+    assert "Check against the external systems" in plain
+    assert "ticketdesk.create</code>: 1 confirmed here, 0 unknown, 1 counted by the system" in (
+        " ".join(asked.split())
+    )
