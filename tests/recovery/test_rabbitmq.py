@@ -1,0 +1,61 @@
+"""RabbitMQ as the broker: a worker consuming from it executes a posted step.
+
+The other recovery tests use Redis or the embedded broker; this one shows that
+CELERY_BROKER_URL=amqp://… works end to end with a real worker process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+
+import pytest
+from celery import Celery
+
+from executor import tasks
+from executor.models import Step
+from executor.states import State
+from tests.recovery.conftest import Cluster
+
+AMQP_URL = os.environ.get("STEPWARD_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672//")
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def rabbitmq_answers() -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", 5672), timeout=2).close()
+    except OSError:
+        return False
+    return True
+
+
+@pytest.fixture
+def amqp() -> str:
+    if not rabbitmq_answers():
+        if os.environ.get("STEPWARD_REQUIRE_RABBITMQ") == "1":
+            pytest.fail("RabbitMQ is required (STEPWARD_REQUIRE_RABBITMQ=1) but does not answer")
+        pytest.skip("no RabbitMQ at 127.0.0.1:5672")
+    return AMQP_URL
+
+
+def test_a_step_published_to_rabbitmq_is_executed_by_a_worker_consuming_it(
+    amqp: str, cluster: Cluster, post: Callable[..., Step]
+) -> None:
+    worker = cluster.worker().start(CELERY_BROKER_URL=amqp, EXECUTOR_DRAIN_LIMIT="0")
+    with tasks.publish_suppressed():
+        step = post("echo", {"via": "rabbitmq"})
+    publisher = Celery(broker=amqp)
+    try:
+        publisher.send_task("stepward.execute_step", args=[str(step.pk)], queue=cluster.queue)
+
+        done = cluster.wait_settled(step)
+
+        assert done.state == State.COMPLETED, cluster.diagnose()
+        assert done.result == {"via": "rabbitmq"}
+        assert "completed" in worker.task_outcomes().values()
+        assert "amqp://" in worker.log()
+    finally:
+        with publisher.connection_for_write() as connection:
+            connection.default_channel.queue_delete(cluster.queue)
