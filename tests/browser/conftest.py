@@ -19,13 +19,11 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, ClassVar
-from urllib.parse import quote
 
 import httpx
 import pytest
 from django.conf import settings as django_settings
 from django.contrib.auth.models import User
-from django.db import connection
 from django.test import Client
 from guardian.shortcuts import assign_perm, remove_perm
 from playwright.sync_api import BrowserContext, Page, expect
@@ -45,6 +43,7 @@ from executor.tools.base import (
     register,
     unregister,
 )
+from tests.recovery.conftest import database_url, use_queue
 
 os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # pytest-django live_server + Playwright
 
@@ -368,29 +367,6 @@ def desk(desk_process: DeskProcess, settings: Any) -> Iterator[Desk]:
 
 
 # --- a Celery worker, a real process -----------------------------------------------------------
-
-
-def database_url() -> str:
-    """The URL of the database this test runs on (the test database, not the main one)."""
-    db = connection.settings_dict
-    if connection.vendor == "sqlite":
-        return f"sqlite:///{Path(db['NAME']).resolve()}"
-    if connection.vendor == "postgresql":
-        auth = quote(db["USER"] or "", safe="")
-        if db.get("PASSWORD"):
-            auth += ":" + quote(db["PASSWORD"], safe="")
-        host = db.get("HOST") or "127.0.0.1"
-        port = db.get("PORT") or 5432
-        return f"postgres://{auth}@{host}:{port}/{db['NAME']}"
-    raise NotImplementedError(f"no worker URL for {connection.vendor}")
-
-
-def use_queue(queue: str) -> None:
-    """Makes this process publish to `queue`, before or after its app first published."""
-    django_settings.CELERY_TASK_DEFAULT_QUEUE = queue
-    celery_app.conf.task_default_queue = queue
-    for cached in ("queues", "default_queue", "router"):
-        celery_app.amqp.__dict__.pop(cached, None)
 
 
 @pytest.fixture(scope="package")
