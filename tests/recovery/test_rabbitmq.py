@@ -46,9 +46,17 @@ def test_a_step_published_to_rabbitmq_is_executed_by_a_worker_consuming_it(
     worker = cluster.worker().start(CELERY_BROKER_URL=amqp, EXECUTOR_DRAIN_LIMIT="0")
     with tasks.publish_suppressed():
         step = post("echo", {"via": "rabbitmq"})
+    # Celery lets a CELERY_BROKER_URL in the environment (Redis, in CI's PostgreSQL pass)
+    # override an app's broker, so the connection to RabbitMQ is named explicitly.
     publisher = Celery(broker=amqp)
     try:
-        publisher.send_task("stepward.execute_step", args=[str(step.pk)], queue=cluster.queue)
+        with publisher.connection_for_write(amqp) as connection:
+            publisher.send_task(
+                "stepward.execute_step",
+                args=[str(step.pk)],
+                queue=cluster.queue,
+                connection=connection,
+            )
 
         done = cluster.wait_settled(step)
 
@@ -57,5 +65,5 @@ def test_a_step_published_to_rabbitmq_is_executed_by_a_worker_consuming_it(
         assert "completed" in worker.task_outcomes().values()
         assert "amqp://" in worker.log()
     finally:
-        with publisher.connection_for_write() as connection:
+        with publisher.connection_for_write(amqp) as connection:
             connection.default_channel.queue_delete(cluster.queue)
