@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from executor.drill import in_call_to
 from executor.models import Step
 
 BASE_DIR = Path(__file__).resolve().parents[2]
@@ -223,36 +224,8 @@ class Sweeper(ManagedProcess):
         return sum(int(n) for n in re.findall(r"redispatched=(\d+)", self.log()))
 
 
-def tcp_connected(pid: int, port: int) -> bool:
-    """Whether process `pid` holds an established TCP connection to 127.0.0.1:`port`.
-
-    A tool call opens a fresh connection and writes its request at once, so a connection
-    to the desk means the request is on its way or already there.
-    """
-    inodes = set()
-    fd_dir = Path(f"/proc/{pid}/fd")
-    try:
-        fds = list(fd_dir.iterdir())
-    except OSError:
-        return False
-    for fd in fds:
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:[") : -1])
-    for table in ("tcp", "tcp6"):
-        try:
-            rows = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            fields = row.split()
-            remote, state, inode = fields[2], fields[3], fields[9]
-            if inode in inodes and state == "01" and int(remote.rsplit(":", 1)[1], 16) == port:
-                return True
-    return False
+# The drill watches for the same moment: one implementation serves both.
+tcp_connected = in_call_to
 
 
 # --- the ticket desk ---------------------------------------------------------------------
