@@ -1,17 +1,34 @@
-"""SQL statements (by kind) and transactions per step, the engine run in this process.
+"""SQL statements (by kind) and commits per step, Stepward run in this process.
 
-    DATABASE_URL=postgres://... .venv/bin/python bench/engine_counts.py TOOL N AGENT_NAME
+    DATABASE_URL=postgres://... .venv/bin/python bench/engine_counts.py N AGENT_TOKEN
 
-Prints one JSON line. Transactions are PostgreSQL's own count (pg_stat_database), read
-before and after with statistics flushed, so reads in autocommit count too.
+Measures, each on its own and after a warm-up of the same kind:
+- `single_post`: one `POST /api/v1/runs/{id}/steps` (`echo`), through Django's whole request
+  stack in this process (token check, permissions, the step, its Events, the dispatch);
+- `batch_post`: `POST /api/v1/runs/{id}/steps/batch`, per step (and per request);
+- `pure_step`: an `echo` step executed by `engine.drain(worker=..., limit=...)`, N of them
+  due together (the engine batches them as it does in a worker);
+- `write_step`: a `ticketdesk.create_keyed` step the same way (TICKETDESK_URL must answer);
+- `pure_step_alone`, `write_step_alone`: the same, one step posted and drained at a time, so
+  that nothing shares its commits (the worst case per step);
+- `empty_drain`: one `engine.drain` call with nothing due (the look that ends every drain).
+
+Statements are those Django executes (a query wrapper): BEGIN and COMMIT, which psycopg
+sends itself, and Django's connection health check are not among them. Commits are
+PostgreSQL's own count for the database (`pg_stat_database.xact_commit`), read before and
+after with statistics flushed, so every autocommit read counts as a transaction too; the cost
+of reading the counter itself is measured and subtracted. Prints one JSON line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +40,19 @@ import django
 django.setup()
 
 from django.db import connection  # noqa: E402
+from django.test import Client  # noqa: E402
 
-from executor import engine, services, tasks  # noqa: E402
-from executor.models import Agent  # noqa: E402
+from executor import engine  # noqa: E402
+
+WORKER = "bench-counts"
+BATCH = 500
 
 
-def transactions() -> int:
+class BatchUnavailable(Exception):
+    pass
+
+
+def xact_commit() -> int:
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_stat_force_next_flush()")
         cursor.execute("SELECT pg_stat_clear_snapshot()")
@@ -38,39 +62,196 @@ def transactions() -> int:
         return int(cursor.fetchone()[0])
 
 
-def main(tool: str, n: int, agent_name: str) -> None:
-    agent = Agent.objects.get(name=agent_name)
-    run, _ = services.run_create(agent=agent, name=f"statements {tool}")
-    kinds: Counter[str] = Counter()
+def reading_cost() -> int:
+    """Commits that one xact_commit() call adds to the next reading."""
+    xact_commit()
+    first = xact_commit()
+    return xact_commit() - first
 
-    def count(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-        kinds[sql.lstrip().split(None, 1)[0].upper()] += 1
+
+class Meter:
+    """Counts Django's statements (by kind), PostgreSQL's commits and time inside `on()`."""
+
+    def __init__(self, overhead: int) -> None:
+        self.overhead = overhead
+        self.kinds: Counter[str] = Counter()
+        self.commits = 0
+        self.seconds = 0.0
+
+    def count(self, execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        self.kinds[sql.lstrip(" (").split(None, 1)[0].upper()] += 1
         return execute(sql, params, many, context)
 
-    with tasks.publish_suppressed():
-        ids = [
-            services.step_post(
-                agent=agent, run=run, key=f"q{i}", tool_name=tool, input={"title": "x"}
-            )[0].pk
-            for i in range(n)
+    @contextlib.contextmanager
+    def on(self) -> Iterator[None]:
+        before = xact_commit()
+        started = time.perf_counter()
+        with connection.execute_wrapper(self.count):
+            yield
+        self.seconds += time.perf_counter() - started
+        self.commits += xact_commit() - before - self.overhead
+
+    def result(self, units: int, reads: int = 0) -> dict[str, Any]:
+        """Per unit; `reads` progress reads of the bench's own (one SELECT, one autocommit
+        transaction each) are taken off."""
+        kinds = Counter(self.kinds)
+        kinds["SELECT"] -= reads
+        return {
+            "units": units,
+            "statements": round(sum(kinds.values()) / units, 2),
+            "by_kind": {k: round(v / units, 2) for k, v in sorted(kinds.items()) if v},
+            "commits": round((self.commits - reads) / units, 2),
+            "ms_per_unit_in_process": round(1000 * self.seconds / units, 2),
+        }
+
+
+def measure(work: Callable[[], None], units: int, overhead: int) -> dict[str, Any]:
+    meter = Meter(overhead)
+    with meter.on():
+        work()
+    return meter.result(units)
+
+
+class Api:
+    def __init__(self, token: str) -> None:
+        self.client = Client(HTTP_AUTHORIZATION=f"Bearer {token}")
+
+    def post(self, path: str, body: Any) -> Any:
+        response = self.client.post(f"/api/v1{path}", body, content_type="application/json")
+        if path.endswith("/batch") and response.status_code in (404, 405):
+            raise BatchUnavailable(f"batch endpoint not available ({response.status_code})")
+        if response.status_code >= 300:
+            raise RuntimeError(f"POST {path}: {response.status_code} {response.content[:300]!r}")
+        return response.json()
+
+    def run(self, name: str) -> str:
+        return str(self.post("/runs", {"name": f"{name} {time.time()}"})["id"])
+
+    def single(self, run_id: str, key: str, tool: str, data: dict[str, Any]) -> None:
+        self.post(f"/runs/{run_id}/steps", {"key": key, "tool": tool, "input": data})
+
+    def batch(self, run_id: str, items: list[dict[str, Any]]) -> None:
+        self.post(f"/runs/{run_id}/steps/batch", {"steps": items})
+
+    def post_steps(self, run_id: str, prefix: str, n: int, tool: str) -> None:
+        """Posts n steps, by batches where the endpoint exists, else one by one."""
+        items = [
+            {"key": f"{prefix}{i}", "tool": tool, "input": {"title": f"t{i}"}} for i in range(n)
         ]
-        before = transactions()
-        with connection.execute_wrapper(count):
-            for step_id in ids:
-                engine.process(step_id, worker="bench")
-        after = transactions()
-    # The three statements of each transactions() call are not the engine's.
-    total = sum(kinds.values())
-    print(
-        json.dumps(
-            {
-                "statements": round(total / n, 1),
-                "by_kind": {k: round(v / n, 2) for k, v in sorted(kinds.items())},
-                "transactions": round((after - before - 3) / n, 2),
-            }
+        try:
+            for start in range(0, n, BATCH):
+                self.batch(run_id, items[start : start + BATCH])
+        except BatchUnavailable:
+            for item in items:
+                self.single(run_id, item["key"], tool, item["input"])
+
+
+def count_states(run_id: str) -> dict[str, int]:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT state, count(*) FROM executor_step WHERE run_id = %s GROUP BY state",
+            [run_id],
         )
-    )
+        return dict(cursor.fetchall())
+
+
+def main(n: int, token: str) -> None:
+    api = Api(token)
+    overhead = reading_cost()
+    out: dict[str, Any] = {"steps": n, "xact_reading_cost": overhead}
+
+    run_id = api.run("counts single")
+    for i in range(5):
+        api.single(run_id, f"warm{i}", "echo", {"i": i})
+
+    def singles() -> None:
+        for i in range(n):
+            api.single(run_id, f"s{i}", "echo", {"i": i})
+
+    out["single_post"] = measure(singles, n, overhead)
+
+    try:
+        run_id = api.run("counts batch")
+        api.batch(run_id, [{"key": "warm", "tool": "echo", "input": {}}])
+        size = min(BATCH, n)
+        batches = max(1, n // size)
+
+        def batches_post() -> None:
+            for b in range(batches):
+                api.batch(
+                    run_id,
+                    [{"key": f"b{b}-{i}", "tool": "echo", "input": {"i": i}} for i in range(size)],
+                )
+
+        result = measure(batches_post, batches * size, overhead)
+        result["batch_size"] = size
+        result["statements_per_request"] = round(result["statements"] * size, 1)
+        out["batch_post"] = result
+    except BatchUnavailable as error:
+        out["batch_post"] = {"error": str(error)}
+
+    # engine.drain with nothing due: the look that ends every drain, once per call.
+    meter = Meter(overhead)
+    for _ in range(10):
+        with meter.on():
+            engine.drain(worker=WORKER, limit=1)
+    out["empty_drain"] = meter.result(10)
+
+    for name, tool in (("pure_step", "echo"), ("write_step", "ticketdesk.create_keyed")):
+        for suffix, work in (("", drained), ("_alone", drained_alone)):
+            try:
+                out[name + suffix] = work(api, tool, n, overhead)
+            except Exception as error:  # noqa: BLE001 - reported, never an invented figure
+                out[name + suffix] = {"error": f"{type(error).__name__}: {error}"}
+    print(json.dumps(out))
+
+
+def warm_up(api: Api, tool: str) -> None:
+    warm = api.run(f"counts warm {tool}")
+    api.post_steps(warm, "w", 3, tool)
+    drain_loop(warm, 3)
+
+
+def drained(api: Api, tool: str, n: int, overhead: int) -> dict[str, Any]:
+    """n steps posted, then drained together: the engine batches them as it sees fit."""
+    warm_up(api, tool)
+    run_id = api.run(f"counts {tool}")
+    api.post_steps(run_id, "s", n, tool)
+    meter = Meter(overhead)
+    with meter.on():
+        reads = drain_loop(run_id, n)
+    return meter.result(n, reads) | {"drain_calls": reads}
+
+
+def drained_alone(api: Api, tool: str, n: int, overhead: int) -> dict[str, Any]:
+    """One step posted, then drained, and again: a step with nothing to share its commits."""
+    warm_up(api, tool)
+    run_id = api.run(f"counts alone {tool}")
+    alone = max(5, min(20, n // 10))
+    meter = Meter(overhead)
+    reads = 0
+    for i in range(alone):
+        api.single(run_id, f"a{i}", tool, {"title": f"t{i}"})
+        with meter.on():
+            reads += drain_loop(run_id, i + 1)
+    return meter.result(alone, reads) | {"drain_calls": reads}
+
+
+def drain_loop(run_id: str, n: int) -> int:
+    """engine.drain until the run has n completed steps; returns how many progress reads."""
+    reads = idle = 0
+    while True:
+        claimed = engine.drain(worker=WORKER, limit=n)
+        reads += 1
+        states = count_states(run_id)
+        if states.get("completed", 0) >= n:
+            return reads
+        idle = idle + 1 if claimed == 0 else 0
+        if idle > 50:
+            raise RuntimeError(f"drain stopped short: {states}")
+        if claimed == 0:
+            time.sleep(0.05)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    main(int(sys.argv[1]), sys.argv[2])
