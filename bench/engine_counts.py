@@ -9,15 +9,18 @@ Measures, each on its own and after a warm-up of the same kind:
 - `pure_step`: an `echo` step executed by `engine.drain(worker=..., limit=...)`, N of them
   due together (the engine batches them as it does in a worker);
 - `write_step`: a `ticketdesk.create_keyed` step the same way (TICKETDESK_URL must answer);
-- `pure_step_alone`, `write_step_alone`: the same, one step posted and drained at a time, so
-  that nothing shares its commits (the worst case per step);
-- `empty_drain`: one `engine.drain` call with nothing due (the look that ends every drain).
+- `pure_step_alone`, `write_step_alone`: one step posted, then `engine.drain(limit=1)`, and
+  again, so that nothing shares its commits (the worst case per step);
+- `empty_drain`: one `engine.drain` call with nothing due: the look for more work that ends
+  a worker's drain (once per wake, not per step).
 
-Statements are those Django executes (a query wrapper): BEGIN and COMMIT, which psycopg
-sends itself, and Django's connection health check are not among them. Commits are
-PostgreSQL's own count for the database (`pg_stat_database.xact_commit`), read before and
-after with statistics flushed, so every autocommit read counts as a transaction too; the cost
-of reading the counter itself is measured and subtracted. Prints one JSON line.
+Statements are those Django executes, in every thread (counted where all of Django's cursors
+pass): BEGIN and COMMIT, which psycopg sends itself, and Django's connection health check are
+not among them. Commits are PostgreSQL's own count for the database
+(`pg_stat_database.xact_commit`), read before and after (after a second's wait, so that the
+engine's other connections have flushed their statistics), so every autocommit read counts
+as a transaction too; the cost of reading the counter itself is measured and subtracted.
+Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import contextlib
 import json
 import os
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -40,6 +44,7 @@ import django
 django.setup()
 
 from django.db import connection  # noqa: E402
+from django.db.backends.utils import CursorWrapper  # noqa: E402
 from django.test import Client  # noqa: E402
 
 from executor import engine  # noqa: E402
@@ -52,7 +57,31 @@ class BatchUnavailable(Exception):
     pass
 
 
-def xact_commit() -> int:
+# Statements are counted in every thread (the engine runs write tools on a pool of threads,
+# each with its own connection), at the one place all of Django's cursors pass through.
+_counting: Counter[str] | None = None
+_counting_lock = threading.Lock()
+_execute_with_wrappers = CursorWrapper._execute_with_wrappers
+
+
+def _counted(self: CursorWrapper, sql: str, params: Any, many: bool, executor: Any) -> Any:
+    kinds = _counting
+    if kinds is not None:
+        with _counting_lock:
+            kinds[sql.lstrip(" (").split(None, 1)[0].upper()] += 1
+    return _execute_with_wrappers(self, sql, params, many, executor)
+
+
+CursorWrapper._execute_with_wrappers = _counted  # type: ignore[method-assign]
+
+# PostgreSQL flushes another backend's statistics at most once a second: wait that long
+# before reading the commit count, so the engine's other connections are in it.
+SETTLE_SECONDS = 1.2
+
+
+def xact_commit(settle: bool = True) -> int:
+    if settle:
+        time.sleep(SETTLE_SECONDS)
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_stat_force_next_flush()")
         cursor.execute("SELECT pg_stat_clear_snapshot()")
@@ -70,7 +99,7 @@ def reading_cost() -> int:
 
 
 class Meter:
-    """Counts Django's statements (by kind), PostgreSQL's commits and time inside `on()`."""
+    """Counts statements (by kind, all threads), commits and time inside `on()`."""
 
     def __init__(self, overhead: int) -> None:
         self.overhead = overhead
@@ -78,16 +107,18 @@ class Meter:
         self.commits = 0
         self.seconds = 0.0
 
-    def count(self, execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-        self.kinds[sql.lstrip(" (").split(None, 1)[0].upper()] += 1
-        return execute(sql, params, many, context)
-
     @contextlib.contextmanager
-    def on(self) -> Iterator[None]:
-        before = xact_commit()
+    def on(self, settle: bool = True) -> Iterator[None]:
+        """`settle=False` when only this thread has used the database since the last
+        settled reading."""
+        global _counting
+        before = xact_commit(settle=settle)
         started = time.perf_counter()
-        with connection.execute_wrapper(self.count):
+        _counting = self.kinds
+        try:
             yield
+        finally:
+            _counting = None
         self.seconds += time.perf_counter() - started
         self.commits += xact_commit() - before - self.overhead
 
@@ -130,6 +161,9 @@ class Api:
     def single(self, run_id: str, key: str, tool: str, data: dict[str, Any]) -> None:
         self.post(f"/runs/{run_id}/steps", {"key": key, "tool": tool, "input": data})
 
+    def cancel(self, run_id: str) -> None:
+        self.post(f"/runs/{run_id}/cancel", {"reason": "bench"})
+
     def batch(self, run_id: str, items: list[dict[str, Any]]) -> None:
         self.post(f"/runs/{run_id}/steps/batch", {"steps": items})
 
@@ -155,6 +189,17 @@ def count_states(run_id: str) -> dict[str, int]:
         return dict(cursor.fetchall())
 
 
+def others_due(run_id: str | None) -> int:
+    """Steps of other runs still pending: a drain would take them too, so there must be none."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM executor_step WHERE state = 'pending' AND run_id IS DISTINCT "
+            "FROM %s",
+            [run_id],
+        )
+        return int(cursor.fetchone()[0])
+
+
 def main(n: int, token: str) -> None:
     api = Api(token)
     overhead = reading_cost()
@@ -169,6 +214,7 @@ def main(n: int, token: str) -> None:
             api.single(run_id, f"s{i}", "echo", {"i": i})
 
     out["single_post"] = measure(singles, n, overhead)
+    api.cancel(run_id)  # its steps must not be drained below
 
     try:
         run_id = api.run("counts batch")
@@ -189,59 +235,74 @@ def main(n: int, token: str) -> None:
         out["batch_post"] = result
     except BatchUnavailable as error:
         out["batch_post"] = {"error": str(error)}
+    api.cancel(run_id)
 
-    # engine.drain with nothing due: the look that ends every drain, once per call.
-    meter = Meter(overhead)
-    for _ in range(10):
-        with meter.on():
-            engine.drain(worker=WORKER, limit=1)
-    out["empty_drain"] = meter.result(10)
-
+    jobs: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+        ("empty_drain", lambda: empty(overhead))
+    ]
     for name, tool in (("pure_step", "echo"), ("write_step", "ticketdesk.create_keyed")):
-        for suffix, work in (("", drained), ("_alone", drained_alone)):
-            try:
-                out[name + suffix] = work(api, tool, n, overhead)
-            except Exception as error:  # noqa: BLE001 - reported, never an invented figure
-                out[name + suffix] = {"error": f"{type(error).__name__}: {error}"}
+        jobs.append((name, lambda tool=tool: drained(api, tool, n, overhead)))
+        jobs.append((f"{name}_alone", lambda tool=tool: drained_alone(api, tool, n, overhead)))
+    for name, job in jobs:
+        try:
+            out[name] = job()
+        except Exception as error:  # noqa: BLE001 - reported, never an invented figure
+            out[name] = {"error": f"{type(error).__name__}: {error}"}
     print(json.dumps(out))
+
+
+def empty(overhead: int) -> dict[str, Any]:
+    """engine.drain with nothing due: the look that ends a worker's drain, once per wake."""
+    if others_due(None):
+        raise RuntimeError("steps are due: the empty drain would not be empty")
+    meter = Meter(overhead)
+    with meter.on():
+        for _ in range(10):
+            engine.drain(worker=WORKER, limit=1)
+    return meter.result(10)
 
 
 def warm_up(api: Api, tool: str) -> None:
     warm = api.run(f"counts warm {tool}")
     api.post_steps(warm, "w", 3, tool)
-    drain_loop(warm, 3)
+    drain_loop(warm, 3, limit=3)
 
 
 def drained(api: Api, tool: str, n: int, overhead: int) -> dict[str, Any]:
-    """n steps posted, then drained together: the engine batches them as it sees fit."""
+    """n steps posted, then drained together: the engine batches them as a worker does."""
     warm_up(api, tool)
     run_id = api.run(f"counts {tool}")
     api.post_steps(run_id, "s", n, tool)
+    if others_due(run_id):
+        raise RuntimeError("steps of other runs are due: they would be counted too")
     meter = Meter(overhead)
     with meter.on():
-        reads = drain_loop(run_id, n)
+        reads = drain_loop(run_id, n, limit=n)
     return meter.result(n, reads) | {"drain_calls": reads}
 
 
 def drained_alone(api: Api, tool: str, n: int, overhead: int) -> dict[str, Any]:
-    """One step posted, then drained, and again: a step with nothing to share its commits."""
+    """One step posted, then `engine.drain(limit=1)`, and again: nothing shares its commits,
+    and the drain stops at its limit, without the closing look for more (see empty())."""
     warm_up(api, tool)
     run_id = api.run(f"counts alone {tool}")
-    alone = max(5, min(20, n // 10))
+    alone = max(5, min(10, n // 20))
     meter = Meter(overhead)
     reads = 0
     for i in range(alone):
         api.single(run_id, f"a{i}", tool, {"title": f"t{i}"})
-        with meter.on():
-            reads += drain_loop(run_id, i + 1)
+        if others_due(run_id):
+            raise RuntimeError("steps of other runs are due: they would be counted too")
+        with meter.on(settle=i == 0):
+            reads += drain_loop(run_id, i + 1, limit=1)
     return meter.result(alone, reads) | {"drain_calls": reads}
 
 
-def drain_loop(run_id: str, n: int) -> int:
+def drain_loop(run_id: str, n: int, *, limit: int) -> int:
     """engine.drain until the run has n completed steps; returns how many progress reads."""
     reads = idle = 0
     while True:
-        claimed = engine.drain(worker=WORKER, limit=n)
+        claimed = engine.drain(worker=WORKER, limit=limit)
         reads += 1
         states = count_states(run_id)
         if states.get("completed", 0) >= n:
