@@ -153,11 +153,16 @@ DEFAULT_FROM_EMAIL = os.environ.get("DEFAULT_FROM_EMAIL", "stepward@localhost")
 
 # --- the agents' API -------------------------------------------------------------------
 API_MAX_BODY_BYTES = env_int("API_MAX_BODY_BYTES", 64 * 1024)
+API_MAX_BATCH_BODY_BYTES = env_int("API_MAX_BATCH_BODY_BYTES", 4 * 1024 * 1024)
+# Django refuses larger bodies before the API's own limits could answer 413.
+DATA_UPLOAD_MAX_MEMORY_SIZE = max(API_MAX_BODY_BYTES, API_MAX_BATCH_BODY_BYTES)
 # Requests per minute per agent token; a shared CACHE_URL makes it hold across web processes.
 API_RATE_LIMIT = os.environ.get("API_RATE_LIMIT", "1200/min")
 API_MAX_WAIT_SECONDS = 30
 
 # --- the executor ---------------------------------------------------------------------
+# Modules whose import registers tools: the built-ins, then a deployment's own (API.md).
+STEPWARD_TOOLS = env_list("STEPWARD_TOOLS", "executor.tools.builtins")
 EXECUTOR_LEASE_SECONDS = env_int("EXECUTOR_LEASE_SECONDS", 60)
 # Keys the events' hash chain. Keep it stable: changing it makes verify_ledger report every
 # event written before the change. Defaults to a value derived from SECRET_KEY.
@@ -204,8 +209,12 @@ LOGGING = {
     "loggers": {"django.db.backends": {"level": "INFO"}},
 }
 
-# A woken worker claims up to this many further due steps before it sleeps.
-EXECUTOR_DRAIN_LIMIT = env_int("EXECUTOR_DRAIN_LIMIT", 50)
+# A woken worker claims due steps in batches of this many (one commit per batch)...
+EXECUTOR_BATCH_SIZE = env_int("EXECUTOR_BATCH_SIZE", 100)
+# ...runs write steps in a pool of this many threads (0: one at a time, in the task's thread)...
+EXECUTOR_WRITE_POOL = env_int("EXECUTOR_WRITE_POOL", 8)
+# ...and claims at most this many before it acknowledges its message and looks for others.
+EXECUTOR_DRAIN_LIMIT = env_int("EXECUTOR_DRAIN_LIMIT", 5000)
 # A due step untouched this long is assumed to have lost its message and is resent.
 EXECUTOR_REDISPATCH_AFTER = float(os.environ.get("EXECUTOR_REDISPATCH_AFTER", "10"))
 CELERY_BEAT_SCHEDULE = {

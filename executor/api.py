@@ -40,6 +40,8 @@ from executor.schemas import (
     RunOut,
     StepIn,
     StepOut,
+    StepsBatchIn,
+    StepsBatchOut,
     ToolOut,
 )
 from executor.tools.base import all_tools
@@ -431,6 +433,43 @@ def step_post(request: HttpRequest, payload: StepIn, run_id: RunId) -> Status[di
         depends_on=payload.depends_on,
     )
     return Status(201 if created else 200, step_out(step))
+
+
+@api.post(
+    "/runs/{run_id}/steps/batch",
+    response={200: StepsBatchOut, 201: StepsBatchOut, **errors(400, 403, 404, 409, 413, 422)},
+    operation_id="steps_post_batch",
+    summary="Post up to 500 steps at once, all or nothing (201 when any was created)",
+    description=(
+        "Each item is idempotent by key exactly like a single post; `depends_on` may name "
+        "earlier items of the batch. One invalid or conflicting item refuses the whole batch "
+        "(422 or 409, `details.index` names the item) and nothing is written. More than 500 "
+        "items, or a body over API_MAX_BATCH_BODY_BYTES, answer 413."
+    ),
+    by_alias=True,
+)
+def steps_post_batch(
+    request: HttpRequest, payload: StepsBatchIn, run_id: RunId
+) -> Status[dict[str, Any]]:
+    agent = _agent(request)
+    if len(payload.steps) > services.MAX_BATCH:
+        raise HttpError(413, f"a batch holds at most {services.MAX_BATCH} steps")
+    run = _run_or_404(agent, run_id)
+    steps, created = services.steps_post(
+        agent=agent,
+        run=run,
+        requests=[
+            services.StepRequest(
+                key=item.key,
+                tool=item.tool,
+                input=item.input,
+                summary=item.summary,
+                depends_on=tuple(item.depends_on),
+            )
+            for item in payload.steps
+        ],
+    )
+    return Status(201 if created else 200, {"steps": [step_out(step) for step in steps]})
 
 
 @api.get(

@@ -9,4 +9,9 @@ class ExecutorConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
+        from django.conf import settings
+
         from executor import signals  # noqa: F401
+        from executor.tools.loader import load_tools
+
+        load_tools(settings.STEPWARD_TOOLS)

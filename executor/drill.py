@@ -40,7 +40,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connection
 from django.utils import timezone
 
-from executor import faults, services, tasks
+from executor import dispatch, faults, services
 from executor.ledger import verify_chain
 from executor.models import (
     OPEN_PHASES,
@@ -1174,7 +1174,7 @@ class Drill:
             )
             # This process's own Celery settings may point elsewhere: the step is announced
             # on the drill's broker below, explicitly.
-            with tasks.publish_suppressed():
+            with dispatch.publishing(dispatch.dropping_publisher):
                 step, _ = services.step_post(
                     agent=self.agent,
                     run=self.run_record,
@@ -1285,7 +1285,7 @@ class Drill:
         due = (self.to_compensate & snapshot.completed_ids) - self.compensation_requested
         for step in Step.objects.filter(pk__in=due):
             try:
-                with tasks.publish_suppressed():
+                with dispatch.publishing(dispatch.dropping_publisher):
                     compensation = services.compensation_request(
                         step=step,
                         user=self.reviewer,

@@ -1,12 +1,16 @@
-"""The executor: claim, authorize, submit, persist, verify, recover (DESIGN.md §5, §7, §8).
+"""The executor: claim, authorize, submit, persist, verify (DESIGN.md §5, §8, §14).
 
-A queue message only says "look at step X"; everything here re-reads the ledger and acts
-on what it says. Every write a worker makes after its claim is conditional on its fence,
-so a worker whose lease was taken over writes nothing to the step and stops.
+A queue message only says "look at the ledger"; everything here re-reads the ledger and acts
+on what it says. Work is claimed in batches: one commit takes a batch of due steps (each with
+its own lease and fence), records their attempts and events, and decides each one's
+authorization from facts read once for the batch. Every write a worker makes after its claim
+is conditional on its fence, so a worker whose lease was taken over writes nothing to the
+step and stops.
 
 Commit points of one attempt:
-  write/destructive tools: claim+authorize | submitting | call | responded→verifying | completed
-  pure/read tools:         claim+authorize+submitting | call | responded→completed
+  pure/read tools:         claim+authorize+submitting (batch) | call | completed (batch)
+  write/destructive tools: claim+authorize (batch) | submitting | call | responded→verifying |
+                           completed — each write step in a thread of the worker's pool
 """
 
 from __future__ import annotations
@@ -16,17 +20,20 @@ import os
 import random
 import socket
 import threading
-from dataclasses import dataclass
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
-from django.db import connection, transaction
-from django.db.models import F, Q
+from django.db import close_old_connections, connection, transaction
+from django.db.models import F, Q, QuerySet
 from django.utils import timezone
 
-from executor import faults, policy, transitions
+from executor import dispatch, faults, policy, progress, transitions
+from executor.bulk import update_rows
 from executor.models import (
     OPEN_PHASES,
     Approval,
@@ -38,12 +45,11 @@ from executor.models import (
     RunStatus,
     Step,
 )
-from executor.states import State
+from executor.states import LEASED, State
 from executor.tools.base import (
     RETRYABLE,
     FailureClass,
     Invocation,
-    LookupOutcome,
     Tool,
     ToolError,
     ToolResult,
@@ -77,6 +83,14 @@ def safe_to_repeat(tool: Tool) -> bool:
     return is_light(tool) or tool.idempotency == Idempotency.KEY
 
 
+def find_tool(name: str) -> Tool | None:
+    """The registered tool, or None where this process does not know it."""
+    try:
+        return get_tool(name)
+    except LookupError:
+        return None
+
+
 def invocation(step: Step, fence: int, attempt: int) -> Invocation:
     return Invocation(
         step_id=str(step.pk),
@@ -94,6 +108,8 @@ class Claim:
     attempt: Attempt
     tool: Tool
     worker: str
+    # Set by the lease keeper when another worker has taken the step over.
+    lost: bool = False
 
     @property
     def fence(self) -> int:
@@ -101,91 +117,229 @@ class Claim:
 
 
 class Outcome:
-    """What happened to one message, for logs and tests."""
+    """What happened to one step when it was looked at, for logs and tests."""
 
     SKIPPED = "skipped"  # the step was not claimable (moved on, not due, paused run)
     FENCED_OUT = "fenced_out"
 
 
-def load_step(step_id: Any) -> Step | None:
-    return (
-        Step.objects.select_related("run", "run__agent", "run__agent__user", "run__workspace")
-        .filter(pk=step_id)
-        .first()
-    )
+# --- the claim: a batch of due steps in one commit ----------------------------------------
 
 
-# --- the attempt ------------------------------------------------------------------------
+def due_now(now: datetime) -> Q:
+    return Q(not_before__isnull=True) | Q(not_before__lte=now)
 
 
-def process(step_id: Any, *, worker: str | None = None) -> str:
-    """Advances one step as far as it goes. Returns the state it ended in, or an Outcome."""
-    worker = worker or worker_name()
-    claim = claim_step(step_id, worker=worker)
-    if not isinstance(claim, Claim):
-        return claim
-    return execute_claimed(claim)
+LIGHT_EFFECTS = (Effect.PURE, Effect.READ)
 
 
-def claim_step(step_id: Any, *, worker: str) -> Claim | str:
-    """Takes the lease on a due pending step and rechecks its authorization, in one commit.
+def _locked(steps: QuerySet[Step]) -> QuerySet[Step]:
+    """Locks the rows read, skipping those another worker is claiming right now.
 
-    Returns a Claim to go on with, or the state/outcome it stopped at.
+    On SQLite (no SKIP LOCKED) the claim's transaction is IMMEDIATE: it holds the database's
+    write lock from its first statement, so what it reads nobody else can claim meanwhile.
     """
-    step = load_step(step_id)
-    now = timezone.now()
-    if step is None or step.state != State.PENDING:
-        return Outcome.SKIPPED
-    run = step.run
-    if run.status == RunStatus.CANCELLED:
-        return cancel_pending(step, actor="policy")
-    if step.not_before is not None and step.not_before > now:
-        return Outcome.SKIPPED
-    if run.status != RunStatus.OPEN:
-        # A paused run's steps wait, still pending; a reviewer's resume dispatches them.
-        return Outcome.SKIPPED
-    tool = find_tool(step.tool_id)
-    number = step.attempt_count + 1
-    fence = step.fence + 1
+    steps = steps.select_related("run", "run__agent", "run__agent__user")
+    if connection.vendor == "postgresql":
+        steps = steps.select_for_update(skip_locked=True, of=("self",))
+    return steps
+
+
+def _due_steps(*, light: int, writes: int, now: datetime) -> list[Step]:
+    """Up to `light` due pure/read steps and `writes` due write steps of open runs, oldest
+    first. The tool's effect comes from the Tool table (what decides is the registry's; this
+    only sizes the batch)."""
+    due = Step.objects.filter(due_now(now), state=State.PENDING, run__status=RunStatus.OPEN)
+    rows: list[Step] = []
+    if light > 0:
+        rows += _locked(due.filter(tool__effect__in=LIGHT_EFFECTS).order_by("not_before"))[:light]
+    if writes > 0:
+        rows += _locked(due.exclude(tool__effect__in=LIGHT_EFFECTS).order_by("not_before"))[:writes]
+    return rows
+
+
+@dataclass
+class Batch:
+    """What one claim took (`claims`) and where every step it looked at ended (`outcomes`)."""
+
+    claims: list[Claim] = field(default_factory=list)
+    outcomes: dict[Any, str] = field(default_factory=dict)
+
+
+def claim(
+    *,
+    worker: str,
+    step_ids: Sequence[Any] | None = None,
+    light: int = 0,
+    writes: int = 0,
+    now: datetime | None = None,
+) -> Batch:
+    """Takes the leases on a batch of due pending steps and decides their authorization, in
+    one commit (DESIGN.md §5 points 2 to 4, §14).
+
+    `step_ids` names the steps (a message's, a test's); otherwise up to `light` due pure/read
+    steps and `writes` due write steps are taken. Pure and read steps that may go on are
+    also past their `submitting` point (usage counted) when this returns; write steps are
+    `claimed`. Steps that may not go on end blocked, cancelled, or pending in a paused run,
+    each with its closed attempt, exactly as one step claimed alone would.
+    """
+    now = now or timezone.now()
+    batch = Batch()
     actor = executor_actor(worker)
-    try:
-        with transaction.atomic():
-            transitions.move(
-                step,
-                State.RUNNING,
-                actor=actor,
-                reason=f"attempt {number} claimed",
-                changes={
-                    "fence": fence,
-                    "lease_owner": worker,
-                    "lease_expires_at": now + timedelta(seconds=lease_seconds()),
-                    "attempt_count": number,
-                },
-                data={"fence": fence, "attempt": number},
-                now=now,
-            )
-            attempt = Attempt.objects.create(
-                step=step, number=number, fence=fence, worker=worker, phase=Phase.CLAIMED
-            )
-            decision = (
-                policy.authorize(step, tool, now=now)
+    with transaction.atomic():
+        if step_ids is not None:
+            rows = list(_locked(Step.objects.filter(pk__in=step_ids, state=State.PENDING)))
+        else:
+            rows = _due_steps(light=light, writes=writes, now=now)
+        taken: list[Step] = []
+        for step in rows:
+            if step.run.status == RunStatus.CANCELLED:
+                transitions.move(
+                    step, State.CANCELLED, actor="policy", reason="the run was cancelled", now=now
+                )
+                batch.outcomes[step.pk] = State.CANCELLED
+            elif (step.not_before is not None and step.not_before > now) or (
+                step.run.status != RunStatus.OPEN
+            ):
+                # Not due yet, or a paused run: its steps wait; a reviewer's resume wakes them.
+                batch.outcomes[step.pk] = Outcome.SKIPPED
+            else:
+                taken.append(step)
+        if not taken:
+            return batch
+        facts = policy.read_facts(taken)
+        decisions: dict[Any, policy.Decision] = {}
+        tools: dict[Any, Tool | None] = {}
+        for step in taken:
+            tool = tools[step.pk] = find_tool(step.tool_id)
+            decisions[step.pk] = (
+                policy.decide(step, tool, facts, now=now)
                 if tool is not None
                 else policy.Decision(
                     policy.Verdict.BLOCK, f"the tool {step.tool_id} is no longer registered"
                 )
             )
-            if not decision.ok or tool is None:
-                end = refuse_claimed(step, attempt, decision, actor=actor, now=now)
-                return end
-            if is_light(tool) and not mark_submitting(step, attempt, tool, now=now):
-                return stop_before_submit(step, attempt, actor=actor, now=now)
-    except transitions.StaleStep:
-        # Another worker or the sweeper moved it first; the duplicate message ends here.
+        # Pure and read steps are submitted in this very commit: count their calls now, with
+        # one conditional UPDATE per run; those the budget has no room for wait, paused.
+        over_budget: set[Any] = set()
+        by_run: dict[Any, list[Step]] = {}
+        for step in taken:
+            tool = tools[step.pk]
+            if decisions[step.pk].ok and tool is not None and is_light(tool):
+                by_run.setdefault(step.run_id, []).append(step)
+        for steps in by_run.values():
+            granted = policy.budget_take_calls(steps[0].run, len(steps), now=now)
+            over_budget.update(step.pk for step in steps[granted:])
+
+        lease_until = now + timedelta(seconds=lease_seconds())
+        transitions.move_many(
+            [
+                transitions.Move(
+                    step,
+                    State.RUNNING,
+                    actor=actor,
+                    reason=f"attempt {step.attempt_count + 1} claimed",
+                    changes={
+                        "fence": step.fence + 1,
+                        "lease_owner": worker,
+                        "lease_expires_at": lease_until,
+                        "attempt_count": step.attempt_count + 1,
+                    },
+                    data={"fence": step.fence + 1, "attempt": step.attempt_count + 1},
+                )
+                for step in taken
+            ],
+            now=now,
+            locked=True,
+        )
+        attempts: dict[Any, Attempt] = {}
+        for step in taken:
+            tool, decision = tools[step.pk], decisions[step.pk]
+            attempt = Attempt(
+                step=step,
+                number=step.attempt_count,
+                fence=step.fence,
+                worker=worker,
+                phase=Phase.CLAIMED,
+                claimed_at=now,
+            )
+            if not decision.ok or step.pk in over_budget:
+                attempt.phase = Phase.ABANDONED
+                attempt.finished_at = now
+                attempt.error_class = "budget" if decision.ok else decision.verdict
+                attempt.error_message = decision.reason[:MAX_MESSAGE]
+            elif tool is not None and is_light(tool):
+                attempt.phase = Phase.SUBMITTING
+                attempt.submitted_at = now
+                attempt.request_evidence = request_evidence(tool, step)
+            attempts[step.pk] = attempt
+        Attempt.objects.bulk_create(attempts.values())
+
+        refusals = []
+        for step in taken:
+            decision, tool = decisions[step.pk], tools[step.pk]
+            if decision.ok and step.pk not in over_budget:
+                assert tool is not None
+                batch.claims.append(Claim(step, attempts[step.pk], tool, worker))
+                continue
+            refusals.append(_refusal(step, decision, over_budget, now=now))
+        transitions.move_many(refusals, now=now, locked=True)
+        for move in refusals:
+            batch.outcomes[move.step.pk] = move.target
+    return batch
+
+
+def request_evidence(tool: Tool, step: Step) -> dict[str, Any]:
+    return {"tool": tool.name, "input": tool.redacted(step.input)}
+
+
+def _refusal(
+    step: Step, decision: policy.Decision, over_budget: set[Any], *, now: datetime
+) -> transitions.Move:
+    """The move that ends a claimed attempt which may not go on; nothing was sent."""
+    if step.pk in over_budget:
+        reason = policy.budget_exhaustion(step.run, now=now) or "no budget left"
+        policy.run_pause(step.run, reason=reason, now=now)
+        return transitions.Move(step, State.PENDING, actor="policy", reason=f"run paused: {reason}")
+    if decision.verdict == policy.Verdict.CANCEL:
+        return transitions.Move(step, State.CANCELLED, actor="policy", reason=decision.reason)
+    if decision.verdict == policy.Verdict.PAUSE:
+        policy.run_pause(step.run, reason=decision.reason, now=now)
+        return transitions.Move(step, State.PENDING, actor="policy", reason=decision.reason)
+    return transitions.Move(
+        step,
+        State.BLOCKED,
+        actor="policy",
+        reason=decision.reason,
+        changes={"failure_message": decision.reason},
+    )
+
+
+def claim_step(step_id: Any, *, worker: str) -> Claim | str:
+    """Claims one step (a batch of one): its Claim, or the state/outcome it stopped at."""
+    batch = claim(worker=worker, step_ids=[step_id])
+    if batch.claims:
+        return batch.claims[0]
+    return batch.outcomes.get(step_id, Outcome.SKIPPED)
+
+
+def process(step_id: Any, *, worker: str | None = None) -> str:
+    """Advances one step as far as it goes. Returns the state it ended in, or an Outcome."""
+    worker = worker or worker_name()
+    claimed = claim_step(step_id, worker=worker)
+    if not isinstance(claimed, Claim):
+        return claimed
+    with LeaseKeeper([claimed]):
+        if is_light(claimed.tool):
+            return run_light([claimed])[claimed.step.pk]
+        return execute_claimed(claimed)
+
+
+def cancel_if_run_cancelled(step_id: Any, *, actor: str) -> str:
+    """A pending step of a cancelled run is cancelled (the sweeper's backstop)."""
+    step = Step.objects.select_related("run").filter(pk=step_id).first()
+    if step is None or step.state != State.PENDING or step.run.status != RunStatus.CANCELLED:
         return Outcome.SKIPPED
-    return Claim(step=step, attempt=attempt, tool=tool, worker=worker)
-
-
-def cancel_pending(step: Step, *, actor: str) -> str:
     try:
         transitions.move(step, State.CANCELLED, actor=actor, reason="the run was cancelled")
     except transitions.TransitionError:
@@ -193,52 +347,110 @@ def cancel_pending(step: Step, *, actor: str) -> str:
     return State.CANCELLED
 
 
-def cancel_if_run_cancelled(step_id: Any, *, actor: str) -> str:
-    """A pending step of a cancelled run is cancelled (the sweeper's backstop)."""
-    step = load_step(step_id)
-    if step is None or step.state != State.PENDING or step.run.status != RunStatus.CANCELLED:
-        return Outcome.SKIPPED
-    return cancel_pending(step, actor=actor)
+# --- pure and read tools: called at once, their outcomes persisted together ----------------
 
 
-def refuse_claimed(
-    step: Step, attempt: Attempt, decision: policy.Decision, *, actor: str, now: datetime
-) -> str:
-    """Ends a claimed attempt that may not go on; nothing was sent."""
-    close_attempt(attempt, Phase.ABANDONED, error_class=decision.verdict, message=decision.reason)
-    if decision.verdict == policy.Verdict.CANCEL:
-        transitions.move(step, State.CANCELLED, actor="policy", reason=decision.reason, now=now)
-    elif decision.verdict == policy.Verdict.PAUSE:
-        policy.run_pause(step.run, reason=decision.reason, now=now)
-        transitions.move(step, State.PENDING, actor="policy", reason=decision.reason, now=now)
-    else:
-        transitions.move(
-            step,
-            State.BLOCKED,
-            actor="policy",
-            reason=decision.reason,
-            changes={"failure_message": decision.reason},
+def run_light(claims: Sequence[Claim]) -> dict[Any, str]:
+    """Calls each claimed pure/read step's tool, then persists every outcome in one commit.
+
+    Returns the state each step ended in (or FENCED_OUT). Read tools (which wait on the
+    network) are called concurrently; pure ones in this thread.
+    """
+    answers = _invoke_all(claims)
+    return persist_light(claims, answers)
+
+
+def _invoke_one(claim: Claim) -> ToolResult | BaseException:
+    """The call, with the interruption points around it (DESIGN.md §5)."""
+    faults.hit("before_invoke")
+    try:
+        answer = claim.tool.invoke(invocation(claim.step, claim.fence, claim.attempt.number))
+    except Exception as error:  # noqa: BLE001 - every error is classified, none escapes
+        return error
+    faults.hit("after_submit")
+    return answer
+
+
+def _invoke_all(claims: Sequence[Claim]) -> list[ToolResult | BaseException]:
+    reads = [c for c in claims if c.tool.effect == Effect.READ]
+    futures: dict[int, Future[ToolResult | BaseException]] = {}
+    if len(reads) > 1 and settings.EXECUTOR_WRITE_POOL > 0:
+        pool = _call_pool()
+        futures = {id(c): pool.submit(_invoke_one, c) for c in reads}
+    return [futures[id(c)].result() if id(c) in futures else _invoke_one(c) for c in claims]
+
+
+def persist_light(
+    claims: Sequence[Claim], answers: Sequence[ToolResult | BaseException]
+) -> dict[Any, str]:
+    """Stores the answers of claimed pure/read steps: results complete their step, errors are
+    classified (§8); all in one commit, each step's write conditional on its own fence."""
+    ends: dict[Any, str] = {}
+    now = timezone.now()
+    done = [(c, a) for c, a in zip(claims, answers, strict=True) if isinstance(a, ToolResult)]
+    failed = [(c, a) for c, a in zip(claims, answers, strict=True) if not isinstance(a, ToolResult)]
+    costs: dict[Any, Decimal] = {}
+    with transaction.atomic():
+        moved, stale = transitions.move_many(
+            [
+                transitions.Move(
+                    c.step,
+                    State.COMPLETED,
+                    actor=executor_actor(c.worker),
+                    reason="completed",
+                    fence=c.fence,
+                    changes={"external_id": a.external_id[:200], "result": a.result},
+                    data={"external_id": a.external_id} if a.external_id else None,
+                )
+                for c, a in done
+            ],
             now=now,
         )
-    return step.state
+        moved_ids = {m.step.pk for m in moved}
+        responded = {
+            c.attempt.pk: (c, a, c.tool.cost(a)) for c, a in done if c.step.pk in moved_ids
+        }
+        for c, _, cost in responded.values():
+            if cost:
+                costs[c.step.run_id] = costs.get(c.step.run_id, Decimal(0)) + cost
+        if responded:
+            update_rows(
+                Attempt.objects.filter(pk__in=responded, phase__in=OPEN_PHASES),
+                same={
+                    "phase": Phase.RESPONDED,
+                    "error_class": "",
+                    "error_message": "",
+                    "finished_at": now,
+                },
+                per_row={
+                    "response_evidence": {
+                        pk: response_evidence(a) for pk, (_, a, _) in responded.items()
+                    },
+                    "cost": {pk: cost for pk, (_, _, cost) in responded.items()},
+                },
+            )
+        for run_id, cost in costs.items():
+            Run.objects.filter(pk=run_id).update(used_cost=F("used_cost") + cost)
+        progress.steps_completed([m.step for m in moved], now=now)
+        for c, _ in done:
+            ends[c.step.pk] = State.COMPLETED if c.step.pk in moved_ids else Outcome.FENCED_OUT
+        for m in stale:
+            c, a = next((c, a) for c, a in done if c.step.pk == m.step.pk)
+            record_fenced_out(c.attempt, "responded", **response_evidence(a))
+        for c, error in failed:
+            assert isinstance(error, BaseException)
+            ends[c.step.pk] = handle_failure(c, error)
+        faults.hit("before_persist")
+    for run_id in costs:
+        pause_if_over_cost(run_id, now=now)
+    return ends
 
 
-def stop_before_submit(step: Step, attempt: Attempt, *, actor: str, now: datetime) -> str:
-    """The run had no room for this call: it was cancelled, or its budget is spent."""
-    run = Run.objects.get(pk=step.run_id)
-    if run.status == RunStatus.CANCELLED:
-        close_attempt(attempt, Phase.ABANDONED, error_class="cancel", message="run cancelled")
-        transitions.move(step, State.CANCELLED, actor="policy", reason="the run was cancelled")
-        return State.CANCELLED
-    return pause_claimed(step, attempt, actor=actor, now=now)
+def response_evidence(result: ToolResult) -> dict[str, Any]:
+    return {"external_id": result.external_id, **result.evidence}
 
 
-def pause_claimed(step: Step, attempt: Attempt, *, actor: str, now: datetime) -> str:
-    reason = policy.budget_exhaustion(step.run, now=now) or "no budget left"
-    close_attempt(attempt, Phase.ABANDONED, error_class="budget", message=reason)
-    policy.run_pause(step.run, reason=reason, now=now)
-    transitions.move(step, State.PENDING, actor="policy", reason=f"run paused: {reason}", now=now)
-    return State.PENDING
+# --- write tools: one call per step, each outcome committed as it comes -------------------
 
 
 def mark_submitting(step: Step, attempt: Attempt, tool: Tool, *, now: datetime) -> bool:
@@ -249,42 +461,50 @@ def mark_submitting(step: Step, attempt: Attempt, tool: Tool, *, now: datetime) 
     if not policy.budget_take_call(step.run, now=now):
         return False
     Attempt.objects.filter(pk=attempt.pk, phase=Phase.CLAIMED).update(
-        phase=Phase.SUBMITTING,
-        submitted_at=now,
-        request_evidence={"tool": tool.name, "input": tool.redacted(step.input)},
+        phase=Phase.SUBMITTING, submitted_at=now, request_evidence=request_evidence(tool, step)
     )
     attempt.phase = Phase.SUBMITTING
     attempt.submitted_at = now
     return True
 
 
+def stop_before_submit(step: Step, attempt: Attempt, *, now: datetime) -> str:
+    """The run had no room for this call: it was cancelled, or its budget is spent."""
+    run = Run.objects.get(pk=step.run_id)
+    if run.status == RunStatus.CANCELLED:
+        close_attempt(attempt, Phase.ABANDONED, error_class="cancel", message="run cancelled")
+        transitions.move(step, State.CANCELLED, actor="policy", reason="the run was cancelled")
+        return State.CANCELLED
+    reason = policy.budget_exhaustion(step.run, now=now) or "no budget left"
+    close_attempt(attempt, Phase.ABANDONED, error_class="budget", message=reason)
+    policy.run_pause(step.run, reason=reason, now=now)
+    transitions.move(step, State.PENDING, actor="policy", reason=f"run paused: {reason}", now=now)
+    return State.PENDING
+
+
 def execute_claimed(claim: Claim) -> str:
+    """The rest of a claimed write step's attempt: submitting, the call, its outcome."""
     step, attempt, tool = claim.step, claim.attempt, claim.tool
-    actor = executor_actor(claim.worker)
-    if not is_light(tool):
-        now = timezone.now()
-        with transaction.atomic():
-            if not still_holds_lease(claim, now=now):
-                return record_fenced_out(attempt, "submitting")
-            if not mark_submitting(step, attempt, tool, now=now):
-                return stop_before_submit(step, attempt, actor=actor, now=now)
-    faults.hit("before_invoke")
-    call = invocation(step, claim.fence, attempt.number)
-    with Heartbeat(claim):
-        try:
-            result = tool.invoke(call)
-        except Exception as error:  # noqa: BLE001 - every error is classified, none escapes
-            return handle_failure(claim, error)
-    faults.hit("after_submit")
-    return persist_response(claim, result)
+    if is_light(tool):
+        return run_light([claim])[step.pk]
+    now = timezone.now()
+    with transaction.atomic():
+        if not still_holds_lease(claim, now=now):
+            return record_fenced_out(attempt, "submitting")
+        if not mark_submitting(step, attempt, tool, now=now):
+            return stop_before_submit(step, attempt, now=now)
+    answer = _invoke_one(claim)
+    if isinstance(answer, ToolResult):
+        return persist_response(claim, answer)
+    return handle_failure(claim, answer)
 
 
 def still_holds_lease(claim: Claim, *, now: datetime) -> bool:
     """Extends the lease if this worker still holds it (a fenced write)."""
     return (
-        Step.objects.filter(
-            pk=claim.step.pk, state__in=(State.RUNNING, State.VERIFYING), fence=claim.fence
-        ).update(lease_expires_at=now + timedelta(seconds=lease_seconds()))
+        Step.objects.filter(pk=claim.step.pk, state__in=LEASED, fence=claim.fence).update(
+            lease_expires_at=now + timedelta(seconds=lease_seconds())
+        )
         == 1
     )
 
@@ -323,20 +543,21 @@ def close_attempt(
 
 
 def persist_response(claim: Claim, result: ToolResult) -> str:
-    """Stores the response (commit 6), then confirms the effect (commit 7)."""
+    """Stores a write's response (commit 6), then confirms the effect (commit 7)."""
     step, attempt, tool = claim.step, claim.attempt, claim.tool
+    if is_light(tool):
+        return persist_light([claim], [result])[step.pk]
     actor = executor_actor(claim.worker)
     now = timezone.now()
     cost = tool.cost(result)
-    evidence = {"external_id": result.external_id, **result.evidence}
-    target = State.COMPLETED if is_light(tool) else State.VERIFYING
+    evidence = response_evidence(result)
     try:
         with transaction.atomic():
             transitions.move(
                 step,
-                target,
+                State.VERIFYING,
                 actor=actor,
-                reason="response stored" if target == State.VERIFYING else "completed",
+                reason="response stored",
                 fence=claim.fence,
                 changes={"external_id": result.external_id[:200], "result": result.result},
                 data={"external_id": result.external_id} if result.external_id else None,
@@ -345,16 +566,12 @@ def persist_response(claim: Claim, result: ToolResult) -> str:
             close_attempt(attempt, Phase.RESPONDED, response=evidence, cost=cost, now=now)
             if cost:
                 Run.objects.filter(pk=step.run_id).update(used_cost=F("used_cost") + cost)
-            if target == State.COMPLETED:
-                completed(step, now=now)
             faults.hit("before_persist")
     except transitions.StaleStep:
         return record_fenced_out(attempt, "responded", **evidence)
     if cost:
-        pause_if_over_cost(step.run, now=now)
-    if target == State.VERIFYING:
-        return verify(step, actor=actor, fence=claim.fence, attempt=attempt)
-    return step.state
+        pause_if_over_cost(step.run_id, now=now)
+    return verify(step, actor=actor, fence=claim.fence, attempt=attempt)
 
 
 def verify(step: Step, *, actor: str, fence: int | None, attempt: Attempt | None = None) -> str:
@@ -365,7 +582,7 @@ def verify(step: Step, *, actor: str, fence: int | None, attempt: Attempt | None
             transitions.move(
                 step, State.COMPLETED, actor=actor, reason="effect confirmed", fence=fence, now=now
             )
-            completed(step, now=now)
+            progress.step_completed(step, now=now)
     except transitions.StaleStep:
         if attempt is not None:
             return record_fenced_out(attempt, "completed")
@@ -373,15 +590,8 @@ def verify(step: Step, *, actor: str, fence: int | None, attempt: Attempt | None
     return step.state
 
 
-def completed(step: Step, *, now: datetime) -> None:
-    """What a completion implies, in the completing transaction (see services)."""
-    from executor import services
-
-    services.step_completed_effects(step=step, now=now)
-
-
-def pause_if_over_cost(run: Run, *, now: datetime) -> None:
-    fresh = Run.objects.get(pk=run.pk)
+def pause_if_over_cost(run_id: Any, *, now: datetime) -> None:
+    fresh = Run.objects.get(pk=run_id)
     if fresh.max_cost is not None and fresh.used_cost >= fresh.max_cost:
         policy.run_pause(
             fresh, reason=f"max_cost reached ({fresh.used_cost} of {fresh.max_cost})", now=now
@@ -464,15 +674,15 @@ def handle_failure(claim: Claim, error: BaseException) -> str:
                     changes={"failure_class": failure, "failure_message": message},
                     now=now,
                 )
+            if step.state in (State.FAILED, State.DEAD):
+                # This execution is over; a replay is a new one and needs its own approval.
+                Approval.objects.filter(step=step, consumed_at__isnull=True).update(consumed_at=now)
+            elif step.state == State.PENDING:
+                dispatch.execute(step.pk, eta=step.not_before)
+            elif step.state == State.UNKNOWN and tool.has_lookup():
+                dispatch.reconcile(step.pk)
     except transitions.StaleStep:
         return record_fenced_out(attempt, f"failure:{failure}")
-    if step.state in (State.FAILED, State.DEAD):
-        # This execution is over; a replay is a new one and needs an approval of its own.
-        Approval.objects.filter(step=step, consumed_at__isnull=True).update(consumed_at=now)
-    elif step.state == State.PENDING:
-        dispatch(step.pk, eta=step.not_before)
-    elif step.state == State.UNKNOWN and tool.has_lookup():
-        dispatch_reconcile(step.pk)
     return step.state
 
 
@@ -532,284 +742,172 @@ def schedule_retry(
     )
 
 
-# --- the heartbeat ----------------------------------------------------------------------
+# --- leases: one heartbeat for every claim a worker holds ----------------------------------
 
 
-class Heartbeat:
-    """Extends the lease while a long call runs; stops when the call returns."""
+def extend_leases(claims: Sequence[Claim], *, now: datetime) -> list[Claim]:
+    """Extends the leases of `claims` still held (one fenced UPDATE); returns those lost."""
+    if not claims:
+        return []
+    held = Q()
+    for c in claims:
+        held |= Q(pk=c.step.pk, fence=c.fence)
+    until = now + timedelta(seconds=lease_seconds())
+    extended = Step.objects.filter(held, state__in=LEASED).update(lease_expires_at=until)
+    if extended == len(claims):
+        return []
+    still = set(
+        Step.objects.filter(held, state__in=LEASED, lease_expires_at=until).values_list(
+            "pk", flat=True
+        )
+    )
+    return [c for c in claims if c.step.pk not in still]
 
-    def __init__(self, claim: Claim) -> None:
-        self.claim = claim
-        self.stop = threading.Event()
-        self.lost = False
-        self.thread = threading.Thread(target=self.beat, daemon=True, name="stepward-heartbeat")
 
-    def __enter__(self) -> Heartbeat:
-        self.thread.start()
+class LeaseKeeper:
+    """Extends the leases of the claims a worker holds while it works on them.
+
+    One thread and one UPDATE every third of the lease for all of them, however many; a
+    claim whose lease another worker took over is marked `lost` (its fenced writes will be
+    refused anyway) and dropped.
+    """
+
+    def __init__(self, claims: Sequence[Claim] = ()) -> None:
+        self._held: dict[Any, Claim] = {c.step.pk: c for c in claims}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True, name="stepward-leases")
+
+    def __enter__(self) -> LeaseKeeper:
+        self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join()
+        self._stop.set()
+        self._thread.join()
 
-    def beat(self) -> None:
+    def hold(self, claims: Sequence[Claim]) -> None:
+        with self._lock:
+            self._held.update((c.step.pk, c) for c in claims)
+
+    def release(self, claims: Sequence[Claim]) -> None:
+        with self._lock:
+            for c in claims:
+                self._held.pop(c.step.pk, None)
+
+    def _beat(self) -> None:
         interval = max(0.5, lease_seconds() / 3)
         try:
-            while not self.stop.wait(interval):
-                if not still_holds_lease(self.claim, now=timezone.now()):
-                    self.lost = True
-                    logger.warning("lease lost on step %s", self.claim.step.pk)
-                    return
+            while not self._stop.wait(interval):
+                with self._lock:
+                    held = list(self._held.values())
+                for lost in extend_leases(held, now=timezone.now()):
+                    lost.lost = True
+                    logger.warning("lease lost on step %s", lost.step.pk)
+                    self.release([lost])
+        except Exception:  # the leases then run out, and recovery takes over
+            logger.exception("the lease keeper stopped")
         finally:
             connection.close()
 
 
-# --- recovery (DESIGN.md §7) ------------------------------------------------------------
+# --- the worker pool and the drain --------------------------------------------------------
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 
 
-def find_tool(name: str) -> Tool | None:
-    """The registered tool, or None where this process does not know it."""
-    try:
-        return get_tool(name)
-    except LookupError:
-        return None
-
-
-def recover_expired(step_id: Any, *, actor: str = "sweeper") -> str:
-    """Acts on a step whose lease expired, by the table of DESIGN.md §7.
-
-    Every move here also requires the lease to be expired still (`lease_expired_by`): a
-    worker that commits its `submitting` point after we read the attempt has extended its
-    lease in that same commit, so our decision, made on an older phase, is refused.
-    """
-    step = load_step(step_id)
-    now = timezone.now()
-    if step is None or step.state not in (State.RUNNING, State.VERIFYING):
-        return Outcome.SKIPPED
-    if step.lease_expires_at is None or step.lease_expires_at > now:
-        return Outcome.SKIPPED
-    # A tool this process does not know is treated as the least safe kind: no repeat, no
-    # lookup. Its step goes to a person rather than being guessed about.
-    tool = find_tool(step.tool_id)
-    repeatable = tool is not None and safe_to_repeat(tool)
-    has_lookup = tool is not None and tool.has_lookup()
-    attempt = Attempt.objects.filter(step=step, fence=step.fence).first()
-    phase = attempt.phase if attempt else None
-    why = f"lease of {step.lease_owner} expired"
-
-    def to(target: State, reason: str, **changes: Any) -> None:
-        transitions.move(
-            step,
-            target,
-            actor=actor,
-            reason=reason,
-            changes=changes,
-            now=now,
-            lease_expired_by=now,
-        )
-
-    def abandon(message: str) -> None:
-        if attempt is not None:
-            close_attempt(
-                attempt, Phase.ABANDONED, error_class="lease_expired", message=message, now=now
+def _call_pool() -> ThreadPoolExecutor:
+    """The process's threads for write steps and concurrent reads (made on first use, after
+    a worker process forks; each thread keeps its own database connection)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(
+                max_workers=max(1, settings.EXECUTOR_WRITE_POOL),
+                thread_name_prefix="stepward-call",
             )
+        return _pool
 
+
+def _execute_in_thread(claim: Claim) -> str:
+    close_old_connections()
     try:
-        with transaction.atomic():
-            if step.state == State.VERIFYING or phase == Phase.RESPONDED:
-                # The response is stored: never submit again, finish the confirmation.
-                to(State.COMPLETED, f"{why}; the response was stored, effect confirmed")
-                completed(step, now=now)
-            elif phase != Phase.SUBMITTING:
-                to(State.PENDING, f"{why}; nothing was sent", not_before=now)
-                abandon(why)
-            elif repeatable:
-                to(
-                    State.PENDING,
-                    f"{why} after submission; {step.tool_id} is safe to repeat",
-                    not_before=now,
-                )
-                abandon(f"{why} after submission")
-            else:
-                to(
-                    State.UNKNOWN,
-                    f"{why} after submission; the effect may have happened",
-                    failure_class=FailureClass.AMBIGUOUS,
-                    failure_message="the worker stopped after submitting",
-                    not_before=now if has_lookup else None,
-                )
-                abandon(f"{why} after submission")
-    except transitions.StaleStep:
+        return execute_claimed(claim)
+    except Exception:  # its lease runs out and recovery takes it from there (§7)
+        logger.exception("step %s: the attempt stopped on an error", claim.step.pk)
         return Outcome.SKIPPED
-    if step.state == State.PENDING:
-        dispatch(step.pk)
-    elif step.state == State.UNKNOWN and has_lookup:
-        return reconcile(step.pk, actor=actor)
-    return step.state
 
 
-def lookups_since_unknown(step: Step) -> int:
-    """How many lookups could not tell since the step last became unknown."""
-    recent = step.events.order_by("-seq").values_list("from_state", "to_state")
-    count = 0
-    for source, target in recent[: RECONCILE_TRIES + 1]:
-        if not (source == State.UNKNOWN and target == State.UNKNOWN):
-            break
-        count += 1
-    return count
+class WritePool:
+    """Runs claimed write steps, at most `size` at once (in this thread when `size` is 0)."""
+
+    def __init__(self, size: int, keeper: LeaseKeeper) -> None:
+        self.size = size
+        self.keeper = keeper
+        self._running: set[Future[str]] = set()
+
+    def free(self, wanted: int) -> int:
+        if self.size == 0:
+            return wanted
+        self._reap()
+        return max(0, self.size - len(self._running))
+
+    def submit(self, claims: Sequence[Claim]) -> None:
+        for c in claims:
+            if self.size == 0:
+                execute_claimed(c)
+                self.keeper.release([c])
+                continue
+            future = _call_pool().submit(_execute_in_thread, c)
+            future.add_done_callback(lambda _f, c=c: self.keeper.release([c]))  # type: ignore[misc]
+            self._running.add(future)
+
+    def busy(self) -> bool:
+        self._reap()
+        return bool(self._running)
+
+    def wait_one(self) -> None:
+        wait(self._running, return_when=FIRST_COMPLETED)
+        self._reap()
+
+    def join(self) -> None:
+        wait(self._running)
+        self._running.clear()
+
+    def _reap(self) -> None:
+        self._running = {f for f in self._running if not f.done()}
 
 
-RECONCILE_TRIES = 5
-RECONCILE_INTERVAL = 30
+def drain(*, worker: str, limit: int | None = None) -> int:
+    """Claims and runs due steps in batches until nothing is due (or `limit` were claimed).
 
-
-def noted(reason: str, note: str) -> str:
-    return f"{reason}: {note}" if note else reason
-
-
-def reconcile(step_id: Any, *, actor: str = "sweeper", note: str = "") -> str:
-    """Asks the tool whether an `unknown` step's operation happened (DESIGN.md §7).
-
-    found → verifying → completed; not_found from an authoritative lookup → pending with
-    the same operation_id; cannot_tell → stays unknown, tried again a few times, then left
-    to a person.
+    Returns how many it claimed. Pure and read steps run here, batch by batch; write steps
+    go to the pool, and a batch claims no more of them than the pool has room for.
     """
-    step = load_step(step_id)
-    if step is None or step.state != State.UNKNOWN:
-        return Outcome.SKIPPED
-    tool = find_tool(step.tool_id)
-    if tool is None or not tool.has_lookup():
-        # Nothing this process can ask: stop scheduling lookups; a person has it.
-        Step.objects.filter(pk=step.pk, version=step.version).update(not_before=None)
-        return Outcome.SKIPPED
-    try:
-        # One fence above the last attempt's: a tool that checks fences then refuses a
-        # slow request of that attempt arriving after our "not found" (DESIGN.md §7).
-        found = tool.lookup(invocation(step, step.fence + 1, step.attempt_count))
-    except Exception as error:  # noqa: BLE001 - a failed lookup tells nothing
-        logger.warning("lookup of %s failed: %s", step.pk, error)
-        from executor.tools.base import Lookup
-
-        found = Lookup(LookupOutcome.CANNOT_TELL, evidence={"error": str(error)[:500]})
-    now = timezone.now()
-    try:
-        with transaction.atomic():
-            if found.outcome == LookupOutcome.FOUND:
-                transitions.move(
-                    step,
-                    State.VERIFYING,
-                    actor=actor,
-                    reason=noted("lookup found the operation", note),
-                    changes={
-                        "external_id": found.external_id[:200],
-                        "result": found.result,
-                        "lease_owner": actor,
-                        "lease_expires_at": now + timedelta(seconds=lease_seconds()),
-                        "not_before": None,
-                    },
-                    data={"lookup": found.outcome, **found.evidence},
-                    now=now,
-                )
-                transitions.move(
-                    step,
-                    State.COMPLETED,
-                    actor=actor,
-                    reason=noted("effect confirmed by lookup", note),
-                    now=now,
-                )
-                completed(step, now=now)
-            elif found.outcome == LookupOutcome.NOT_FOUND and tool.lookup_authoritative:
-                transitions.move(
-                    step,
-                    State.PENDING,
-                    actor=actor,
-                    reason=noted(
-                        "the authoritative lookup found no effect: run again, same operation", note
-                    ),
-                    changes={"not_before": now, "failure_class": "", "failure_message": ""},
-                    data={"lookup": found.outcome, **found.evidence},
-                    now=now,
-                )
-            else:
-                tries = lookups_since_unknown(step) + 1
-                give_up = tries >= RECONCILE_TRIES
-                transitions.move(
-                    step,
-                    State.UNKNOWN,
-                    actor=actor,
-                    reason=noted(
-                        f"lookup could not tell ({tries} of {RECONCILE_TRIES}); "
-                        + ("a reviewer has it" if give_up else "will ask again"),
-                        note,
-                    ),
-                    changes={
-                        "not_before": None
-                        if give_up
-                        else now + timedelta(seconds=RECONCILE_INTERVAL * tries)
-                    },
-                    data={"lookup": found.outcome, **found.evidence},
-                    now=now,
-                )
-    except transitions.StaleStep:
-        return Outcome.SKIPPED
-    if step.state == State.PENDING:
-        dispatch(step.pk)
-    return step.state
-
-
-# --- dispatch ---------------------------------------------------------------------------
-
-
-def dispatch(step_id: Any, *, eta: datetime | None = None) -> None:
-    """Sends "look at step X" after the current transaction commits. Only a hint."""
-    from executor import tasks
-
-    tasks.send_execute(step_id, eta=eta)
-
-
-def dispatch_reconcile(step_id: Any) -> None:
-    from executor import tasks
-
-    tasks.send_reconcile(step_id)
-
-
-# --- draining: a woken worker claims further due work -------------------------------------
-
-
-def due_now(now: datetime) -> Q:
-    return Q(not_before__isnull=True) | Q(not_before__lte=now)
-
-
-def next_due_step_id(*, exclude: set[Any]) -> Any | None:
-    """The oldest due pending step of an open run, skipping rows other workers have locked.
-
-    On PostgreSQL `SKIP LOCKED` keeps concurrent drainers off each other's rows; on SQLite
-    (no SKIP LOCKED, one writer at a time) the claim's version check settles any race.
-    """
-    now = timezone.now()
-    qs = (
-        Step.objects.filter(due_now(now), state=State.PENDING, run__status="open")
-        .exclude(pk__in=exclude)
-        .order_by("not_before")
-        .values_list("pk", flat=True)
-    )
-    if connection.vendor == "postgresql":
-        qs = qs.select_for_update(skip_locked=True, of=("self",))
-    return qs.first()
-
-
-def drain(*, worker: str, limit: int) -> int:
-    """Claims and processes up to `limit` further due steps; returns how many it claimed."""
-    done = 0
-    seen: set[Any] = set()
-    while done < limit:
-        with transaction.atomic():
-            step_id = next_due_step_id(exclude=seen)
-            if step_id is None:
-                return done
-            seen.add(step_id)
-            claim = claim_step(step_id, worker=worker)
-        if isinstance(claim, Claim):
-            execute_claimed(claim)
-            done += 1
-    return done
+    limit = settings.EXECUTOR_DRAIN_LIMIT if limit is None else limit
+    size = settings.EXECUTOR_BATCH_SIZE
+    claimed = 0
+    with LeaseKeeper() as keeper:
+        pool = WritePool(settings.EXECUTOR_WRITE_POOL, keeper)
+        try:
+            while claimed < limit:
+                room = min(size, limit - claimed)
+                batch = claim(worker=worker, light=room, writes=pool.free(room))
+                if not batch.claims:
+                    if batch.outcomes:
+                        continue  # refused steps: look again
+                    if pool.busy():
+                        pool.wait_one()
+                        continue
+                    break
+                claimed += len(batch.claims)
+                keeper.hold(batch.claims)
+                light = [c for c in batch.claims if is_light(c.tool)]
+                pool.submit([c for c in batch.claims if not is_light(c.tool)])
+                if light:
+                    run_light(light)
+                    keeper.release(light)
+        finally:
+            pool.join()
+    return claimed

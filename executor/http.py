@@ -8,6 +8,8 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
 
 API_PREFIX = "/api/"
+# Batch posts carry up to 500 steps: they have a limit of their own.
+BATCH_SUFFIX = "/steps/batch"
 
 # The `code` of an error answer, by HTTP status, where nothing more specific is known.
 ERROR_CODES = {
@@ -59,7 +61,11 @@ class ApiEdgeMiddleware:
 def refuse_large_body(request: HttpRequest) -> HttpResponse | None:
     if request.method not in ("POST", "PUT", "PATCH"):
         return None
-    limit = settings.API_MAX_BODY_BYTES
+    limit = (
+        settings.API_MAX_BATCH_BODY_BYTES
+        if request.path.endswith(BATCH_SUFFIX)
+        else settings.API_MAX_BODY_BYTES
+    )
     declared = request.META.get("CONTENT_LENGTH") or "0"
     try:
         length = int(declared)

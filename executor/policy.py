@@ -3,14 +3,28 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.conf import settings
-from django.db.models import F, Q
+from django.contrib.auth import get_user_model
+from django.db.models import CharField, F, IntegerField, Q, Value
 from django.utils import timezone
 
-from executor.models import Approval, Run, RunEvent, RunStatus, Step, Tool
+from executor.models import (
+    Approval,
+    Run,
+    RunEvent,
+    RunStatus,
+    Step,
+    Tool,
+    ToolGroupObjectPermission,
+    ToolUserObjectPermission,
+    WorkspaceGroupObjectPermission,
+    WorkspaceUserObjectPermission,
+)
 from executor.tools.base import Tool as ToolContract
 
 
@@ -39,8 +53,107 @@ def approval_permission(step: Step) -> str:
     return "approve_compensation" if step.compensates_id else "approve_steps"
 
 
+# --- the facts authorization reads, once per batch (DESIGN.md §9, §14) --------------------
+
+WORKSPACE_CODENAMES = ("submit_steps", "approve_steps", "approve_compensation")
+# Rows of `grants` that are not permissions: the tool is registered; the user is a superuser.
+REGISTERED = "registered"
+SUPERUSER = "superuser"
+
+
+@dataclass
+class Facts:
+    """What the authorization of a batch of steps needs, read in two queries.
+
+    `grants` holds (user id, codename, workspace id, tool name) for the object permissions
+    that matter (as guardian grants them: to the user or through a group), plus a row per
+    registered tool and per active superuser.
+    """
+
+    grants: set[tuple[int, str, int | None, str]] = field(default_factory=set)
+    approvals: dict[Any, Approval] = field(default_factory=dict)
+
+    def holds(
+        self, user_id: int, codename: str, *, workspace_id: int | None = None, tool: str = ""
+    ) -> bool:
+        if (user_id, SUPERUSER, None, "") in self.grants:
+            return True
+        return (user_id, codename, workspace_id, tool) in self.grants
+
+    def registered(self, tool: str) -> bool:
+        return (0, REGISTERED, None, tool) in self.grants
+
+
+def read_facts(steps: Sequence[Step]) -> Facts:
+    """The permissions, tool registrations and live approvals behind `steps`' authorization.
+
+    `step.run.agent.user` is expected to be loaded. Two queries, whatever the batch size.
+    """
+    if not steps:
+        return Facts()
+    approvals = {
+        approval.step_id: approval
+        for approval in Approval.objects.select_related("approver").filter(
+            step_id__in=[step.pk for step in steps],
+            consumed_at__isnull=True,
+            revoked_at__isnull=True,
+        )
+    }
+    users = {step.run.agent.user_id for step in steps}
+    users |= {a.approver_id for a in approvals.values() if a.approver_id is not None}
+    return Facts(
+        grants=grants(
+            users=users,
+            workspaces={step.run.workspace_id for step in steps},
+            tools={step.tool_id for step in steps},
+        ),
+        approvals=approvals,
+    )
+
+
+def grants(
+    *, users: Iterable[int], workspaces: Iterable[int], tools: Iterable[str]
+) -> set[tuple[int, str, int | None, str]]:
+    """Every grant of `users` on `workspaces` and `tools` that authorization asks about, in
+    one query (guardian would ask four per check: user and group, workspace and tool)."""
+    users, workspaces, tools = list(users), list(workspaces), list(tools)
+    no_workspace = Value(None, output_field=IntegerField())
+    no_tool = Value("", output_field=CharField())
+    parts = [
+        WorkspaceUserObjectPermission.objects.filter(
+            user_id__in=users,
+            content_object_id__in=workspaces,
+            permission__codename__in=WORKSPACE_CODENAMES,
+        ).values_list("user_id", "permission__codename", "content_object_id", no_tool),
+        WorkspaceGroupObjectPermission.objects.filter(
+            group__user__in=users,
+            content_object_id__in=workspaces,
+            permission__codename__in=WORKSPACE_CODENAMES,
+        ).values_list("group__user", "permission__codename", "content_object_id", no_tool),
+        ToolUserObjectPermission.objects.filter(
+            user_id__in=users, content_object__name__in=tools, permission__codename="use_tool"
+        ).values_list("user_id", "permission__codename", no_workspace, "content_object__name"),
+        ToolGroupObjectPermission.objects.filter(
+            group__user__in=users,
+            content_object__name__in=tools,
+            permission__codename="use_tool",
+        ).values_list("group__user", "permission__codename", no_workspace, "content_object__name"),
+        Tool.objects.filter(name__in=tools, registered=True).values_list(
+            Value(0, output_field=IntegerField()),
+            Value(REGISTERED, output_field=CharField()),
+            no_workspace,
+            "name",
+        ),
+        get_user_model()
+        .objects.filter(pk__in=users, is_superuser=True, is_active=True)
+        .values_list("pk", Value(SUPERUSER, output_field=CharField()), no_workspace, no_tool),
+    ]
+    first, *rest = (part.order_by() for part in parts)
+    return {tuple(row) for row in first.union(*rest, all=True)}
+
+
 def approval_problem(
-    step: Step, tool: ToolContract, approval: Approval | None, now: datetime
+    step: Step, tool: ToolContract, approval: Approval | None, now: datetime, facts: Facts
 ) -> str:
     """Why the live approval does not authorize this exact call, or "" when it does."""
     if approval is None:
@@ -58,27 +171,18 @@ def approval_problem(
         if approval.expires_at is not None and approval.expires_at <= now:
             return "the approval expired"
         permission = approval_permission(step)
-        if not approver.is_active or not approver.has_perm(
-            f"executor.{permission}", step.run.workspace
+        if not approver.is_active or not facts.holds(
+            approver.pk, permission, workspace_id=step.run.workspace_id
         ):
             return f"the approver {approver.get_username()} no longer holds {permission}"
     return ""
 
 
-def live_approval(step: Step) -> Approval | None:
-    return (
-        Approval.objects.select_related("approver")
-        .filter(step=step, consumed_at__isnull=True, revoked_at__isnull=True)
-        .first()
-    )
-
-
-def authorize(step: Step, tool: ToolContract, *, now: datetime | None = None) -> Decision:
-    """Everything that must hold before a call: the run, the agent, the approval.
+def decide(step: Step, tool: ToolContract, facts: Facts, *, now: datetime) -> Decision:
+    """Everything that must hold before a call: the run, the agent, the tool, the approval.
 
     `step.run`, `step.run.agent` and its user are expected to be loaded.
     """
-    now = now or timezone.now()
     run = step.run
     if run.status == RunStatus.CANCELLED:
         return Decision(Verdict.CANCEL, "the run was cancelled")
@@ -88,14 +192,13 @@ def authorize(step: Step, tool: ToolContract, *, now: datetime | None = None) ->
     user = agent.user
     if not agent.is_active or not user.is_active:
         return Decision(Verdict.BLOCK, f"the agent {agent.name} is deactivated")
-    if not user.has_perm("executor.submit_steps", run.workspace):
+    if not facts.holds(user.pk, "submit_steps", workspace_id=run.workspace_id):
         return Decision(Verdict.BLOCK, f"the agent {agent.name} no longer holds submit_steps")
-    tool_row = Tool.objects.filter(name=step.tool_id, registered=True).first()
-    if tool_row is None:
+    if not facts.registered(step.tool_id):
         return Decision(Verdict.BLOCK, f"the tool {step.tool_id} is no longer registered")
-    if not user.has_perm("executor.use_tool", tool_row):
+    if not facts.holds(user.pk, "use_tool", tool=step.tool_id):
         return Decision(Verdict.BLOCK, f"the agent {agent.name} may no longer use {step.tool_id}")
-    problem = approval_problem(step, tool, live_approval(step), now)
+    problem = approval_problem(step, tool, facts.approvals.get(step.pk), now, facts)
     if problem:
         return Decision(Verdict.BLOCK, problem)
     if run.deadline is not None and run.deadline <= now:
@@ -103,21 +206,43 @@ def authorize(step: Step, tool: ToolContract, *, now: datetime | None = None) ->
     return GO
 
 
-def budget_take_call(run: Run, *, now: datetime) -> bool:
-    """Counts one call against the run's budget, atomically; False when none is left.
+def authorize(step: Step, tool: ToolContract, *, now: datetime | None = None) -> Decision:
+    """`decide` for one step, with its facts read for it alone."""
+    return decide(step, tool, read_facts([step]), now=now or timezone.now())
 
-    One conditional UPDATE, so concurrent workers can never overspend max_calls. Cost is
-    known only after a call: a call may start while cost remains, and the one that crosses
-    max_cost pauses the run after it (nothing is cut off mid-call).
+
+def budget_take_calls(run: Run, count: int, *, now: datetime) -> int:
+    """Counts up to `count` calls against the run's budget; returns how many it may make.
+
+    One conditional UPDATE when the budget has room for all of them, so concurrent workers
+    can never overspend max_calls; where it has room for fewer, the room is read and taken
+    (again conditionally). Cost is known only after a call: a call may start while cost
+    remains, and the one that crosses max_cost pauses the run after it (nothing is cut off
+    mid-call).
     """
-    room = Q(status=RunStatus.OPEN)
-    room &= Q(max_calls__isnull=True) | Q(used_calls__lt=F("max_calls"))
-    room &= Q(max_cost__isnull=True) | Q(used_cost__lt=F("max_cost"))
-    room &= Q(deadline__isnull=True) | Q(deadline__gt=now)
-    return (
-        Run.objects.filter(room, pk=run.pk).update(used_calls=F("used_calls") + 1, updated_at=now)
-        == 1
-    )
+    for _ in range(5):
+        if count <= 0:
+            return 0
+        room = Q(status=RunStatus.OPEN)
+        room &= Q(max_calls__isnull=True) | Q(used_calls__lte=F("max_calls") - count)
+        room &= Q(max_cost__isnull=True) | Q(used_cost__lt=F("max_cost"))
+        room &= Q(deadline__isnull=True) | Q(deadline__gt=now)
+        taken = Run.objects.filter(room, pk=run.pk).update(
+            used_calls=F("used_calls") + count, updated_at=now
+        )
+        if taken == 1:
+            return count
+        fresh = Run.objects.get(pk=run.pk)
+        if _exhaustion(fresh, now=now):
+            return 0
+        assert fresh.max_calls is not None  # the only limit that can leave partial room
+        count = min(count, fresh.max_calls - fresh.used_calls)
+    return 0
+
+
+def budget_take_call(run: Run, *, now: datetime) -> bool:
+    """Counts one call against the run's budget, atomically; False when none is left."""
+    return budget_take_calls(run, 1, now=now) == 1
 
 
 def budget_exhaustion(run: Run, *, now: datetime, fresh: bool = True) -> str:

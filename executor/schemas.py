@@ -135,6 +135,14 @@ class StepIn(RequestSchema):
     )
 
 
+class StepsBatchIn(RequestSchema):
+    steps: list[StepIn] = Field(
+        min_length=1,
+        description="1 to 500 steps, posted all or nothing; `depends_on` may name earlier "
+        "items. More than 500 answers 413.",
+    )
+
+
 class CancelIn(RequestSchema):
     reason: Text | None = Field(None, max_length=500)
 
@@ -233,6 +241,10 @@ class StepOut(Schema):
     position: int = Field(description="Posting order within the run; see ?after= on the list.")
     depends_on: list[str]
     compensates: UUID | None = Field(description="The step this one undoes, if any.")
+
+
+class StepsBatchOut(Schema):
+    steps: list[StepOut] = Field(description="The batch's steps, in the request's order.")
 
 
 class ReportEntryOut(Schema):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterable
-from datetime import timedelta
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -14,11 +15,11 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import User
 from django.db import IntegrityError, transaction
-from django.db.models import F, Max, TextChoices
+from django.db.models import F, Max, Q, TextChoices
 from django.utils import timezone
 from guardian.shortcuts import assign_perm
 
-from executor import policy, transitions
+from executor import dispatch, policy, progress, recovery, transitions
 from executor.models import (
     AGENT_WORKSPACE_PERMISSIONS,
     REVIEWER_PERMISSIONS,
@@ -34,6 +35,7 @@ from executor.models import (
     Workspace,
 )
 from executor.states import State
+from executor.tools.base import Tool as ToolContract
 from executor.tools.base import all_tools, get_tool
 
 
@@ -250,6 +252,30 @@ def run_cancel(*, run: Run, actor: str, reason: str = "") -> Run:
 
 # --- steps ------------------------------------------------------------------------------
 
+MAX_BATCH = 500
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """One step an agent asks for (API.md: `{key, tool, input, summary?, depends_on?}`)."""
+
+    key: str
+    tool: str
+    input: dict[str, Any]
+    summary: str | None = None
+    depends_on: tuple[str, ...] = ()
+
+
+def _refused(error: ServiceError, index: int | None) -> ServiceError:
+    """Names the batch item an error is about (`details.index`); a single post has none."""
+    if index is None:
+        return error
+    details = error.details if isinstance(error.details, dict) else {"detail": error.details}
+    error.details = {"index": index, **details}
+    error.message = f"item {index}: {error.message}"
+    error.args = (error.message,)
+    return error
+
 
 def step_post(
     *,
@@ -261,74 +287,200 @@ def step_post(
     summary: str | None = None,
     depends_on: list[str] | None = None,
 ) -> tuple[Step, bool]:
-    """Records a step the agent wants done; returns (step, created).
+    """Records a step the agent wants done; returns (step, created). See `steps_post`."""
+    request = StepRequest(key, tool_name, input, summary, tuple(depends_on or ()))
+    [step], created = _steps_post(agent=agent, run=run, requests=[request], batch=False)
+    return step, created
 
-    Posting is idempotent on `key`: the same key with the same call returns the existing
-    step, the same key with another call is a Conflict. A tool that needs approval leaves
-    the step `planned`; any other is approved by policy and is `pending` once its
-    dependencies are completed.
+
+def steps_post(
+    *, agent: Agent, run: Run, requests: Sequence[StepRequest]
+) -> tuple[list[Step], bool]:
+    """Records up to MAX_BATCH steps at once, all or nothing; returns them in the request's
+    order and whether any was created.
+
+    Posting is idempotent on `key`: the same key with the same call is the existing step, the
+    same key with another call is a Conflict. `depends_on` may name steps already in the run
+    or earlier items of the batch. A tool that needs approval leaves its step `planned`; any
+    other is approved by policy and is `pending` once its dependencies are completed. The
+    first refused item refuses the whole batch, its index in the error's details; nothing is
+    written then. A fixed number of statements, whatever the batch's size.
     """
-    depends_on = list(depends_on or [])
-    try:
-        tool = get_tool(tool_name)
-    except LookupError:
-        raise Invalid(f"unknown tool {tool_name!r}", {"tool": tool_name}) from None
-    input_hash = canonical_hash({"tool": tool_name, "input": input})
-    existing = Step.objects.filter(run=run, key=key).first()
-    if existing is not None:
-        return _same_step_or_conflict(existing, input_hash, depends_on), False
+    if not 1 <= len(requests) <= MAX_BATCH:
+        raise Invalid(f"a batch holds 1 to {MAX_BATCH} steps", {"count": len(requests)})
+    return _steps_post(agent=agent, run=run, requests=requests, batch=True)
 
-    if run.status in (RunStatus.CANCELLED, RunStatus.CLOSED):
-        raise Conflict(f"run is {run.status}; it takes no new steps")
-    errors = tool.validate_input(input)
-    if errors:
-        raise Invalid(f"input does not fit the schema of {tool_name}", {"input": errors})
-    if key in depends_on:
-        raise Invalid("a step cannot depend on itself", {"depends_on": [key]})
-    if len(set(depends_on)) != len(depends_on):
-        raise Invalid("depends_on repeats a key", {"depends_on": depends_on})
-    user = agent.user
-    if not user.has_perm("executor.submit_steps", run.workspace):
-        raise NotPermitted("this agent may not submit steps in its workspace")
-    tool_row = Tool.objects.filter(name=tool_name, registered=True).first()
-    if tool_row is None or not user.has_perm("executor.use_tool", tool_row):
-        raise NotPermitted(f"this agent may not use the tool {tool_name!r}")
 
+def _steps_post(
+    *, agent: Agent, run: Run, requests: Sequence[StepRequest], batch: bool
+) -> tuple[list[Step], bool]:
+    for _ in range(POST_RETRIES):
+        try:
+            return _steps_post_once(agent=agent, run=run, requests=requests, batch=batch)
+        except IntegrityError:
+            # A concurrent post took one of these keys or positions: read again and retry.
+            continue
+    raise Conflict("the run is being posted to concurrently; try again")
+
+
+# Concurrent posts to one run may number a step alike; the loser reads again and retries.
+POST_RETRIES = 5
+
+
+def _steps_post_once(
+    *, agent: Agent, run: Run, requests: Sequence[StepRequest], batch: bool
+) -> tuple[list[Step], bool]:
+    tools: list[ToolContract] = []
+    for index, request in enumerate(requests):
+        try:
+            tools.append(get_tool(request.tool))
+        except LookupError:
+            raise _refused(
+                Invalid(f"unknown tool {request.tool!r}", {"tool": request.tool}),
+                index if batch else None,
+            ) from None
+    keys = {r.key for r in requests}
+    named = keys | {k for r in requests for k in r.depends_on}
+    # One statement: the steps these keys name, and the run's last step (for numbering).
+    last = Step.objects.filter(run=run).order_by("-position").values("pk")[:1]
+    known = {
+        step.key: step
+        for step in Step.objects.filter(Q(key__in=named) | Q(pk__in=last), run=run).defer("input")
+    }
+    position = max((step.position for step in known.values()), default=0)
+    grants = policy.grants(
+        users=[agent.user_id], workspaces=[run.workspace_id], tools={r.tool for r in requests}
+    )
+    may = policy.Facts(grants=grants)
+
+    steps: list[Step] = []
+    new: list[tuple[Step, ToolContract, list[transitions.Posted]]] = []
+    seen: dict[str, Step] = {}
     now = timezone.now()
     actor = agent_actor(agent)
-    try:
-        with transaction.atomic():
-            # Serializes posts to one run, so positions have no gaps or clashes.
-            Run.objects.select_for_update().filter(pk=run.pk).first()
-            known = set(
-                Step.objects.filter(run=run, key__in=depends_on).values_list("key", flat=True)
+    for index, (request, tool) in enumerate(zip(requests, tools, strict=True)):
+        where = index if batch else None
+        depends_on = list(request.depends_on)
+        input_hash = canonical_hash({"tool": request.tool, "input": request.input})
+        if request.key in seen:
+            raise _refused(Invalid("the batch names this key twice", {"key": request.key}), where)
+        existing = known.get(request.key)
+        if existing is not None:
+            try:
+                step = _same_step_or_conflict(existing, input_hash, depends_on)
+            except Conflict as error:
+                raise _refused(error, where) from None
+            steps.append(step)
+            seen[request.key] = step
+            continue
+        try:
+            _check_new_step(agent, run, request, tool, may, known, seen)
+        except ServiceError as error:
+            raise _refused(error, where) from None
+        position += 1
+        step = Step(
+            run=run,
+            position=position,
+            key=request.key,
+            tool_id=request.tool,
+            input=request.input,
+            input_hash=input_hash,
+            input_summary=(request.summary or tool.summarize(request.input))[:2000],
+            depends_on=depends_on,
+        )
+        new.append((step, tool, _posted_history(step, tool, known, seen, actor=actor, now=now)))
+        steps.append(step)
+        seen[request.key] = step
+    if not new:
+        return steps, False
+    with transaction.atomic():
+        transitions.insert_many([(step, history) for step, _, history in new], now=now)
+        Approval.objects.bulk_create(
+            policy_approval(step=step, tool=tool, now=now)
+            for step, tool, _ in new
+            if not tool.needs_approval()
+        )
+        dispatch.execute_many([step.pk for step, _, _ in new if step.state == State.PENDING])
+    return steps, True
+
+
+def _check_new_step(
+    agent: Agent,
+    run: Run,
+    request: StepRequest,
+    tool: ToolContract,
+    may: policy.Facts,
+    known: dict[str, Step],
+    seen: dict[str, Step],
+) -> None:
+    """Everything that must hold before a new step is recorded (a ServiceError if not)."""
+    if run.status in (RunStatus.CANCELLED, RunStatus.CLOSED):
+        raise Conflict(f"run is {run.status}; it takes no new steps")
+    errors = tool.validate_input(request.input)
+    if errors:
+        raise Invalid(f"input does not fit the schema of {request.tool}", {"input": errors})
+    depends_on = list(request.depends_on)
+    if request.key in depends_on:
+        raise Invalid("a step cannot depend on itself", {"depends_on": [request.key]})
+    if len(set(depends_on)) != len(depends_on):
+        raise Invalid("depends_on repeats a key", {"depends_on": depends_on})
+    if not agent.user.is_active or not may.holds(
+        agent.user_id, "submit_steps", workspace_id=run.workspace_id
+    ):
+        raise NotPermitted("this agent may not submit steps in its workspace")
+    if not may.registered(request.tool) or not may.holds(
+        agent.user_id, "use_tool", tool=request.tool
+    ):
+        raise NotPermitted(f"this agent may not use the tool {request.tool!r}")
+    missing = [k for k in depends_on if k not in known and k not in seen]
+    if missing:
+        raise Invalid(
+            "depends_on names steps not posted to this run (or not earlier in the batch)",
+            {"depends_on": missing},
+        )
+
+
+def _posted_history(
+    step: Step,
+    tool: ToolContract,
+    known: dict[str, Step],
+    seen: dict[str, Step],
+    *,
+    actor: str,
+    now: datetime,
+) -> list[transitions.Posted]:
+    """The states a new step passes through as it is recorded, as separate moves would:
+    posted; approved by the tool's policy (unless a person must approve it); pending once
+    its dependencies are completed, or cancelled if one never will be."""
+    history = [transitions.Posted(State.PLANNED, actor, "posted by the agent")]
+    if tool.needs_approval():
+        return history
+    history.append(
+        transitions.Posted(
+            State.APPROVED,
+            "policy",
+            "the tool's policy needs no approval",
+            {"policy_version": tool.policy_version()},
+        )
+    )
+    states = {k: (known.get(k) or seen[k]).state for k in step.depends_on}
+    dead_ends = [k for k in step.depends_on if states[k] in progress.DEPENDENCY_DEAD_ENDS]
+    if dead_ends:
+        history.append(
+            transitions.Posted(
+                State.CANCELLED, "policy", f"dependency {', '.join(dead_ends)} will never complete"
             )
-            missing = [k for k in depends_on if k not in known]
-            if missing:
-                raise Invalid(
-                    "depends_on names steps not posted to this run", {"depends_on": missing}
-                )
-            last = Step.objects.filter(run=run).aggregate(last=Max("position"))["last"]
-            step = Step(
-                run=run,
-                position=(last or 0) + 1,
-                key=key,
-                tool_id=tool_name,
-                input=input,
-                input_hash=input_hash,
-                input_summary=(summary or tool.summarize(input))[:2000],
-                depends_on=depends_on,
+        )
+    elif all(state == State.COMPLETED for state in states.values()):
+        step.not_before = step.first_scheduled_at = now
+        history.append(
+            transitions.Posted(
+                State.PENDING,
+                "policy",
+                "approved; dependencies completed" if step.depends_on else "approved",
             )
-            transitions.insert(step, actor=actor, reason="posted by the agent", now=now)
-            if not tool.needs_approval():
-                step_approve_by_policy(step=step, now=now)
-                steps_promote_ready(run=run, steps=[step], now=now)
-    except IntegrityError:
-        existing = Step.objects.filter(run=run, key=key).first()
-        if existing is None:
-            raise
-        return _same_step_or_conflict(existing, input_hash, depends_on), False
-    return step, True
+        )
+    return history
 
 
 def _same_step_or_conflict(existing: Step, input_hash: str, depends_on: list[str]) -> Step:
@@ -340,9 +492,9 @@ def _same_step_or_conflict(existing: Step, input_hash: str, depends_on: list[str
     )
 
 
-def step_record_policy_approval(*, step: Step, now: Any) -> Approval:
-    tool = get_tool(step.tool_id)
-    return Approval.objects.create(
+def policy_approval(*, step: Step, tool: ToolContract, now: datetime) -> Approval:
+    """The record that the tool's policy approved this exact call (no person needed)."""
+    return Approval(
         step=step,
         input_hash=step.input_hash,
         tool=step.tool_id,
@@ -353,107 +505,10 @@ def step_record_policy_approval(*, step: Step, now: Any) -> Approval:
     )
 
 
-def step_approve_by_policy(*, step: Step, now: Any = None) -> Step:
-    tool = get_tool(step.tool_id)
-    now = now or timezone.now()
-    step_record_policy_approval(step=step, now=now)
-    return transitions.move(
-        step,
-        State.APPROVED,
-        actor="policy",
-        reason="the tool's policy needs no approval",
-        data={"policy_version": tool.policy_version()},
-        now=now,
-    )
-
-
-DEPENDENCY_DEAD_ENDS = frozenset({State.REJECTED, State.CANCELLED, State.COMPENSATED})
-
-
-def steps_promote_ready(
-    *, run: Run, steps: Iterable[Step] | None = None, now: Any = None
-) -> list[Step]:
-    """Moves approved steps whose dependencies are completed to pending.
-
-    A step whose dependency can never complete (rejected, cancelled, compensated) is
-    cancelled with that reason rather than left waiting forever. Returns the steps made
-    pending.
-    """
-    now = now or timezone.now()
-    waiting = (
-        list(steps)
-        if steps is not None
-        else list(Step.objects.filter(run=run, state=State.APPROVED))
-    )
-    waiting = [s for s in waiting if s.state == State.APPROVED]
-    if not waiting:
-        return []
-    needed = {key for step in waiting for key in step.depends_on}
-    states = (
-        dict(Step.objects.filter(run=run, key__in=needed).values_list("key", "state"))
-        if needed
-        else {}
-    )
-    promoted = []
-    for step in waiting:
-        dead_ends = [k for k in step.depends_on if states.get(k) in DEPENDENCY_DEAD_ENDS]
-        try:
-            if dead_ends:
-                transitions.move(
-                    step,
-                    State.CANCELLED,
-                    actor="policy",
-                    reason=f"dependency {', '.join(dead_ends)} will never complete",
-                    now=now,
-                )
-            elif all(states.get(k) == State.COMPLETED for k in step.depends_on):
-                transitions.move(
-                    step,
-                    State.PENDING,
-                    actor="policy",
-                    reason="approved; dependencies completed" if step.depends_on else "approved",
-                    changes={"not_before": now, "first_scheduled_at": now},
-                    now=now,
-                )
-                promoted.append(step)
-        except transitions.StaleStep:
-            continue
-    dispatch_after_commit([step.pk for step in promoted])
-    return promoted
-
-
-def dispatch_after_commit(step_ids: list[Any]) -> None:
-    """Tells the workers about due steps once the transaction commits (a hint only)."""
-    from executor import tasks
-
-    for step_id in step_ids:
-        tasks.send_execute(step_id)
-
-
-def step_completed_effects(*, step: Step, now: Any) -> None:
-    """What a completion implies, in the transaction that completes the step: its approval
-    is used up, the step it compensates becomes compensated, dependents may start."""
-    Approval.objects.filter(step=step, consumed_at__isnull=True).update(consumed_at=now)
-    if step.compensates_id:
-        compensation_completed(step=step, now=now)
-    steps_promote_ready(run=step.run, now=now)
-
-
-def compensation_completed(*, step: Step, now: Any = None) -> None:
-    """A completed compensation step makes the step it undoes `compensated`."""
-    if step.compensates_id is None:
-        return
-    original = Step.objects.filter(pk=step.compensates_id, state=State.COMPLETED).first()
-    if original is None:
-        return
-    transitions.move(
-        original,
-        State.COMPENSATED,
-        actor="policy",
-        reason=f"compensation {step.key} completed",
-        data={"compensation_step": str(step.pk), "external_id": step.external_id},
-        now=now,
-    )
+def step_record_policy_approval(*, step: Step, now: datetime) -> Approval:
+    approval = policy_approval(step=step, tool=get_tool(step.tool_id), now=now)
+    approval.save(force_insert=True)
+    return approval
 
 
 # --- reviewers' decisions (DESIGN.md §9, §11, §12) ----------------------------------------
@@ -541,7 +596,7 @@ def step_approve(*, step: Step, user: User, version: int, reason: str) -> Step:
         _decide(
             step, State.APPROVED, user=user, reason=reason, data={"approval": approval.pk}, now=now
         )
-        steps_promote_ready(run=step.run, steps=[step], now=now)
+        progress.promote_ready(run_ids=[step.run_id], steps=[step], now=now)
     return step
 
 
@@ -551,7 +606,7 @@ def step_reject(*, step: Step, user: User, version: int, reason: str) -> Step:
     require_perm(user, approval_permission(step), step.run.workspace)
     with transaction.atomic():
         _decide(step, State.REJECTED, user=user, reason=reason)
-        steps_promote_ready(run=step.run)  # dependents of a rejected step are cancelled
+        progress.promote_ready(run_ids=[step.run_id])  # dependents of a rejected step are cancelled
     return step
 
 
@@ -608,7 +663,7 @@ def step_resolve_unknown(
                     "failure_message": "",
                 },
             )
-            step_completed_effects(step=step, now=now)
+            progress.step_completed(step, now=now)
         elif resolution == Resolution.RUN_AGAIN:
             if not run_again_allowed(step):
                 raise Conflict(
@@ -624,7 +679,7 @@ def step_resolve_unknown(
                 now=now,
                 changes={"not_before": now, "failure_class": "", "failure_message": ""},
             )
-            dispatch_after_commit([step.pk])
+            dispatch.execute(step.pk)
         elif resolution == Resolution.GIVE_UP:
             _decide(
                 step,
@@ -647,15 +702,13 @@ def step_resolve_unknown(
 
 def step_probe(*, step: Step, user: User, version: int, reason: str) -> str:
     """Runs the tool's lookup on an `unknown` step now ("look it up again")."""
-    from executor import engine
-
     reason = require_reason(reason)
     step = _fresh(step, version, State.UNKNOWN)
     require_perm(user, "review_steps", step.run.workspace)
     if not get_tool(step.tool_id).has_lookup():
         raise Conflict(f"{step.tool_id} has no lookup")
-    outcome = engine.reconcile(step.pk, actor=user_actor(user), note=reason)
-    if outcome == engine.Outcome.SKIPPED:
+    outcome = recovery.reconcile(step.pk, actor=user_actor(user), note=reason)
+    if outcome == recovery.Outcome.SKIPPED:
         raise already_handled(step, seen_version=version)
     return outcome
 
@@ -700,7 +753,7 @@ def deadletter_replay(*, step: Step, user: User, version: int, reason: str) -> S
             },
             data={"replayed_from": step.state},
         )
-        dispatch_after_commit([step.pk])
+        dispatch.execute(step.pk)
     return step
 
 
@@ -737,7 +790,7 @@ def step_resume(*, step: Step, user: User, version: int, reason: str) -> Step:
             now=now,
             changes={"not_before": now, "failure_message": ""},
         )
-        dispatch_after_commit([step.pk])
+        dispatch.execute(step.pk)
     return step
 
 
@@ -761,7 +814,7 @@ def compensation_request(*, step: Step, user: User, version: int, reason: str) -
     n = step.compensations.count() + 1
     key = f"{step.key}:compensation" + (f"-{n}" if n > 1 else "")
     now = timezone.now()
-    with transaction.atomic():
+    for _ in range(POST_RETRIES):
         last = Step.objects.filter(run=step.run).aggregate(last=Max("position"))["last"]
         compensation = Step(
             run=step.run,
@@ -773,12 +826,18 @@ def compensation_request(*, step: Step, user: User, version: int, reason: str) -
             input_summary=f"undo {step.key}: " + comp_tool.summarize(comp_input),
             compensates=step,
         )
-        transitions.insert(
-            compensation,
-            actor=user_actor(user),
-            reason=f"compensation requested: {reason}",
-            now=now,
-        )
+        try:
+            transitions.insert(
+                compensation,
+                actor=user_actor(user),
+                reason=f"compensation requested: {reason}",
+                now=now,
+            )
+        except IntegrityError:
+            continue  # an agent's post took the position meanwhile: number it again
+        break
+    else:
+        raise Conflict("the run is being posted to concurrently; try again")
     return compensation
 
 
@@ -861,6 +920,6 @@ def run_resume(*, run: Run, actor: str, reason: str, now: Any = None) -> None:
     run.status, run.pause_reason = RunStatus.OPEN, ""
     RunEvent.objects.create(run=run, action="resumed", actor=actor, reason=reason)
     Step.objects.filter(run=run, state=State.PENDING).update(not_before=now)
-    dispatch_after_commit(
+    dispatch.execute_many(
         list(Step.objects.filter(run=run, state=State.PENDING).values_list("pk", flat=True))
     )

@@ -16,7 +16,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
-from executor import engine, policy, services
+from executor import dispatch, engine, policy, progress, recovery
 from executor.models import Run, RunStatus, Step, SweeperLease
 from executor.states import State
 
@@ -93,14 +93,14 @@ def sweep_once(*, owner: str) -> SweepReport:
         state__in=(State.RUNNING, State.VERIFYING), lease_expires_at__lte=now
     ).values_list("pk", flat=True)[:BATCH]
     for step_id in expired:
-        if isolated(engine.recover_expired, step_id, actor=actor):
+        if isolated(recovery.recover_expired, step_id, actor=actor):
             report.recovered += 1
 
     due_lookups = Step.objects.filter(
         state=State.UNKNOWN, not_before__isnull=False, not_before__lte=now
     ).values_list("pk", flat=True)[:BATCH]
     for step_id in due_lookups:
-        if isolated(engine.reconcile, step_id, actor=actor):
+        if isolated(recovery.reconcile, step_id, actor=actor):
             report.reconciled += 1
 
     # Steps a cancelled run left pending (a retry scheduled as it was cancelled).
@@ -120,10 +120,8 @@ def sweep_once(*, owner: str) -> SweepReport:
         .values_list("run_id", flat=True)
         .distinct()[:BATCH]
     )
-    for run in Run.objects.filter(pk__in=list(waiting_runs)):
-        with transaction.atomic():
-            promoted = services.steps_promote_ready(run=run, now=now)
-        report.promoted += len(promoted)
+    with transaction.atomic():
+        report.promoted += len(progress.promote_ready(run_ids=list(waiting_runs), now=now))
 
     # A due step untouched for a while has probably lost its message: send another.
     # A duplicate is harmless (the claim refuses it), a lost one only delays work.
@@ -136,7 +134,7 @@ def sweep_once(*, owner: str) -> SweepReport:
     ).values_list("pk", flat=True)[: BATCH * 4]
     with transaction.atomic():
         for step_id in lost:
-            engine.dispatch(step_id)
+            dispatch.execute(step_id)
             report.redispatched += 1
 
     if any(asdict(report).values()):

@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -20,6 +22,7 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
+from executor.bulk import update_rows
 from executor.models import Event, Step
 from executor.states import LEASED, State, is_allowed
 
@@ -112,23 +115,8 @@ def move(
     neither the step nor the ledger changed.
     """
     source = State(step.state)
-    if not is_allowed(source, target):
-        raise IllegalTransition(source, target)
     now = now or timezone.now()
-    changes = dict(changes or {})
-    if target in LEASED:
-        if not (
-            changes.get("lease_owner", step.lease_owner)
-            and changes.get("lease_expires_at", step.lease_expires_at)
-        ):
-            raise TransitionError(f"a move to {target} needs a lease owner and expiry")
-    else:
-        changes.setdefault("lease_owner", "")
-        changes.setdefault("lease_expires_at", None)
-    if target in (State.FAILED, State.DEAD) and not changes.get(
-        "failure_class", step.failure_class
-    ):
-        raise TransitionError(f"a move to {target} needs a failure_class")
+    changes = checked_changes(step, target, changes)
     new_version = step.version + 1
     event = build_event(
         step,
@@ -156,30 +144,175 @@ def move(
         if updated != 1:
             raise StaleStep(step, fence)
         event.save(force_insert=True)
+    _moved(step, target, changes, event, now)
+    return step
+
+
+def checked_changes(step: Step, target: State, changes: dict[str, Any] | None) -> dict[str, Any]:
+    """The fields a move to `target` writes, or TransitionError when the move is not allowed."""
+    source = State(step.state)
+    if not is_allowed(source, target):
+        raise IllegalTransition(source, target)
+    changes = dict(changes or {})
+    if target in LEASED:
+        if not (
+            changes.get("lease_owner", step.lease_owner)
+            and changes.get("lease_expires_at", step.lease_expires_at)
+        ):
+            raise TransitionError(f"a move to {target} needs a lease owner and expiry")
+    else:
+        changes.setdefault("lease_owner", "")
+        changes.setdefault("lease_expires_at", None)
+    if target in (State.FAILED, State.DEAD) and not changes.get(
+        "failure_class", step.failure_class
+    ):
+        raise TransitionError(f"a move to {target} needs a failure_class")
+    return changes
+
+
+def _moved(step: Step, target: State, changes: dict[str, Any], event: Event, now: datetime) -> None:
+    """The in-memory step, as the ledger now has it."""
     for name, value in changes.items():
         setattr(step, name, value)
     step.state = target
-    step.version = new_version
+    step.version = event.seq
     step.head_hash = event.hash
     step.updated_at = now
-    return step
+
+
+@dataclass
+class Move:
+    """One step's move in a batch (`move_many`); the fields are those of `move`."""
+
+    step: Step
+    target: State
+    actor: str
+    reason: str = ""
+    changes: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] | None = None
+    # The worker's fence, which must still match; None for moves that are not a worker's.
+    fence: int | None = None
+
+
+def move_many(
+    moves: Sequence[Move], *, now: datetime, locked: bool = False
+) -> tuple[list[Move], list[Move]]:
+    """Moves many steps at once: one UPDATE and one INSERT of their Events (DESIGN.md §14).
+
+    Each move is conditional exactly as `move` is: on its step's state and version, and on
+    its fence when given. Unless the caller already holds the rows' locks (`locked`, as a
+    claim does), the rows are locked and read first, so that each move that no longer
+    applies is told apart. Returns (moved, stale); a stale move changed nothing. At most
+    one move per step. Must run inside a transaction.
+    """
+    if not moves:
+        return [], []
+    prepared = [(m, checked_changes(m.step, m.target, m.changes)) for m in moves]
+    fresh: list[tuple[Move, dict[str, Any]]]
+    stale: list[tuple[Move, dict[str, Any]]] = []
+    if locked:
+        fresh = prepared
+    else:
+        current = {
+            pk: (state, version, fence)
+            for pk, state, version, fence in Step.objects.select_for_update()
+            .filter(pk__in=[m.step.pk for m in moves])
+            .values_list("pk", "state", "version", "fence")
+        }
+        fresh = []
+        for m, changes in prepared:
+            row = current.get(m.step.pk)
+            still = row is not None and row[:2] == (m.step.state, m.step.version)
+            if still and m.fence is not None:
+                still = row is not None and row[2] == m.fence
+            (fresh if still else stale).append((m, changes))
+    events = {
+        m.step.pk: build_event(
+            m.step,
+            seq=m.step.version + 1,
+            source=m.step.state,
+            target=m.target,
+            actor=m.actor,
+            reason=m.reason,
+            data=m.data,
+            at=now,
+        )
+        for m, _ in fresh
+    }
+    if fresh:
+        # One UPDATE per set of changed fields (a batch has one or two): a field a move
+        # does not change is not written, so no other writer's value is overwritten.
+        groups: dict[frozenset[str], list[tuple[Move, dict[str, Any]]]] = {}
+        for m, changes in fresh:
+            groups.setdefault(frozenset(changes), []).append((m, changes))
+        for names, group in groups.items():
+            pks = [m.step.pk for m, _ in group]
+            per_row: dict[str, dict[Any, Any]] = {
+                "state": {m.step.pk: m.target for m, _ in group},
+                "head_hash": {m.step.pk: events[m.step.pk].hash for m, _ in group},
+            }
+            for name in names:
+                per_row[name] = {m.step.pk: changes[name] for m, changes in group}
+            updated = update_rows(
+                Step.objects.filter(pk__in=pks),
+                same={"version": F("version") + 1, "updated_at": now},
+                per_row=per_row,
+            )
+            if updated != len(group):
+                raise TransitionError(f"{len(group)} steps were locked but {updated} moved")
+        Event.objects.bulk_create(events.values())
+        for m, changes in fresh:
+            _moved(m.step, m.target, changes, events[m.step.pk], now)
+    return [m for m, _ in fresh], [m for m, _ in stale]
+
+
+@dataclass
+class Posted:
+    """A state a new step passes through as it is recorded (`insert_many`)."""
+
+    target: State
+    actor: str
+    reason: str = ""
+    data: dict[str, Any] | None = None
+
+
+def insert_many(histories: Sequence[tuple[Step, Sequence[Posted]]], *, now: datetime) -> None:
+    """Inserts new steps, each with the Events of the states it passed through as it was
+    recorded (posted, approved by policy, pending), in one INSERT of steps and one of Events.
+
+    Each step is inserted in its last state, at the version its history reaches; the history
+    must start from nothing and follow allowed moves, as if each had been `move`d there.
+    Must run inside a transaction.
+    """
+    events: list[Event] = []
+    for step, history in histories:
+        step.head_hash = ""
+        source = ""
+        for seq, posted in enumerate(history, start=1):
+            if source and not is_allowed(source, posted.target):
+                raise IllegalTransition(source, posted.target)
+            event = build_event(
+                step,
+                seq=seq,
+                source=source,
+                target=posted.target,
+                actor=posted.actor,
+                reason=posted.reason,
+                data=posted.data,
+                at=now,
+            )
+            events.append(event)
+            step.head_hash = event.hash
+            source = posted.target
+        step.state = State(source)
+        step.version = len(history)
+        step.created_at = step.updated_at = now
+    Step.objects.bulk_create([step for step, _ in histories])
+    Event.objects.bulk_create(events)
 
 
 def insert(step: Step, *, actor: str, reason: str = "", now: datetime | None = None) -> Step:
     """Inserts a new step with its first Event (version 1, from nothing to its state)."""
-    now = now or timezone.now()
-    event = build_event(
-        step,
-        seq=step.version,
-        source="",
-        target=step.state,
-        actor=actor,
-        reason=reason,
-        data=None,
-        at=now,
-    )
-    step.head_hash = event.hash
     with transaction.atomic():
-        step.save(force_insert=True)
-        event.save(force_insert=True)
+        insert_many([(step, [Posted(State(step.state), actor, reason)])], now=now or timezone.now())
     return step

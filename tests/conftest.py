@@ -11,7 +11,7 @@ from django.contrib.auth import get_user_model
 from django.db import connection
 from django.test import Client
 
-from executor import services
+from executor import dispatch, services
 from executor.models import Agent, Workspace
 
 os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # live_server + Playwright
@@ -117,12 +117,18 @@ def run(agent: Agent) -> Any:
 
 
 @pytest.fixture(autouse=True)
+def _write_steps_in_the_test_thread(settings: Any) -> None:
+    """In-process tests run write steps in their own thread: a pool thread's connection
+    would not see the test's uncommitted rows. Real workers (recovery suites) use the pool."""
+    settings.EXECUTOR_WRITE_POOL = 0
+
+
+@pytest.fixture(autouse=True)
 def _no_broker_messages(request: pytest.FixtureRequest) -> Any:
     """Unit tests publish nothing: a message is only a hint, and no worker listens here.
 
     The recovery suites, which run real workers on a real broker, override this fixture.
     """
-    from executor import tasks
 
-    with tasks.publish_suppressed():
+    with dispatch.publishing(dispatch.dropping_publisher):
         yield

@@ -260,7 +260,6 @@ def unregister(name: str) -> None:
 
 
 def get_tool(name: str) -> Tool:
-    load_builtin_tools()
     try:
         return _registry[name]
     except KeyError:
@@ -268,10 +267,4 @@ def get_tool(name: str) -> Tool:
 
 
 def all_tools() -> list[Tool]:
-    load_builtin_tools()
     return [_registry[name] for name in sorted(_registry)]
-
-
-def load_builtin_tools() -> None:
-    # Importing the modules registers them; imports are cached after the first call.
-    from executor.tools import echo, email_send, http_get, ticketdesk  # noqa: F401

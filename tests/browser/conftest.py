@@ -29,7 +29,7 @@ from guardian.shortcuts import assign_perm, remove_perm
 from playwright.sync_api import BrowserContext, Page, expect
 
 from console.celery import app as celery_app
-from executor import engine, services, tasks
+from executor import dispatch, engine, services
 from executor.models import Agent, ApprovalRule, Effect, Idempotency, Run, Step, Workspace
 from executor.models import Tool as ToolRow
 from executor.states import State
@@ -104,7 +104,7 @@ def _no_broker_messages(request: pytest.FixtureRequest) -> Iterator[None]:
     if "worker" in request.fixturenames:
         yield
         return
-    with tasks.publish_suppressed():
+    with dispatch.publishing(dispatch.dropping_publisher):
         yield
 
 

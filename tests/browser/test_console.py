@@ -21,7 +21,7 @@ from django.contrib.sessions.models import Session
 from django.utils import timezone
 from playwright.sync_api import Browser, Locator, Page, expect
 
-from executor import engine, faults, selectors, services
+from executor import engine, faults, recovery, selectors, services
 from executor.models import Agent, Approval, Attempt, Event, Phase, Run, RunStatus, Step
 from executor.states import State
 from tests.browser.conftest import (
@@ -159,7 +159,7 @@ def test_a_ticket_created_before_the_worker_died_is_marked_completed_with_its_ti
     settings.TICKETDESK_TIMEOUT_SECONDS = 1
     desk.process.pause()
     try:
-        outcome = engine.recover_expired(step.pk)
+        outcome = recovery.recover_expired(step.pk)
     finally:
         desk.process.resume()
     assert outcome == State.UNKNOWN
@@ -473,7 +473,7 @@ def build_scene(agent: Agent, reviewer: User, desk: Desk, settings: Any) -> dict
     settings.TICKETDESK_TIMEOUT_SECONDS = 1
     desk.process.pause()
     try:
-        assert engine.reconcile(unknown.pk) == State.UNKNOWN
+        assert recovery.reconcile(unknown.pk) == State.UNKNOWN
     finally:
         desk.process.resume()
 

@@ -17,7 +17,7 @@ from django.test import Client
 from django.utils import timezone
 from guardian.shortcuts import assign_perm, remove_perm
 
-from executor import engine, services, transitions
+from executor import dispatch, engine, services, transitions
 from executor.models import (
     Agent,
     ApprovalRule,
@@ -31,7 +31,6 @@ from executor.models import (
 )
 from executor.models import Tool as ToolRow
 from executor.states import State
-from executor.tasks import publish_suppressed
 from executor.tools.base import (
     Invocation,
     Lookup,
@@ -134,7 +133,7 @@ def reload(step: Step) -> Step:
 
 
 def post(agent: Agent, run: Run, tool: str, key: str, **input: Any) -> Step:
-    with publish_suppressed():
+    with dispatch.publishing(dispatch.dropping_publisher):
         step, created = services.step_post(
             agent=agent, run=run, key=key, tool_name=tool, input=input or {"key": key}
         )
@@ -143,7 +142,7 @@ def post(agent: Agent, run: Run, tool: str, key: str, **input: Any) -> Step:
 
 
 def claim(step: Step) -> engine.Claim:
-    with publish_suppressed():
+    with dispatch.publishing(dispatch.dropping_publisher):
         claimed = engine.claim_step(step.pk, worker=WORKER)
     assert isinstance(claimed, engine.Claim), claimed
     return claimed
@@ -204,7 +203,7 @@ def blocked(agent: Agent, run: Run, key: str = "stuck", tool: str = "console.tic
     step = post(agent, run, tool, key)
     row = ToolRow.objects.get(name=tool)
     remove_perm("executor.use_tool", agent.user, row)
-    with publish_suppressed():
+    with dispatch.publishing(dispatch.dropping_publisher):
         outcome = engine.claim_step(step.pk, worker=WORKER)
     assign_perm("executor.use_tool", agent.user, row)
     assert outcome == State.BLOCKED, outcome

@@ -11,7 +11,7 @@ from django.contrib.auth import get_user_model
 from django.utils import timezone
 from guardian.shortcuts import assign_perm, remove_perm
 
-from executor import engine, services, sweeper, tasks
+from executor import dispatch, engine, services, sweeper
 from executor.models import Agent, Approval, Phase, Run, RunStatus, Step, Workspace
 from executor.models import Tool as ToolRow
 from executor.states import State
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.django_db
 
 @pytest.fixture(autouse=True)
 def engine_env(agent: Agent) -> Iterator[None]:
-    with tooling.installed(agent), tasks.publish_suppressed():
+    with tooling.installed(agent), dispatch.publishing(dispatch.dropping_publisher):
         yield
 
 

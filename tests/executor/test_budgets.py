@@ -9,7 +9,7 @@ from decimal import Decimal
 import pytest
 from django.utils import timezone
 
-from executor import engine, services, sweeper, tasks
+from executor import dispatch, engine, services, sweeper
 from executor.models import Agent, Attempt, Run, RunStatus, Step
 from executor.states import State
 from tests.executor import tooling
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.django_db
 
 @pytest.fixture(autouse=True)
 def engine_env(agent: Agent) -> Iterator[None]:
-    with tooling.installed(agent), tasks.publish_suppressed():
+    with tooling.installed(agent), dispatch.publishing(dispatch.dropping_publisher):
         yield
 
 

@@ -16,7 +16,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connection
 from django.utils import timezone
 
-from executor import engine, faults, tasks, transitions
+from executor import dispatch, engine, faults, recovery, transitions
 from executor.models import Agent, Attempt, Phase, Run, Step
 from executor.states import State
 from executor.tools.base import (
@@ -51,7 +51,7 @@ pytestmark = pytest.mark.django_db
 
 @pytest.fixture(autouse=True)
 def engine_env(agent: Agent) -> Iterator[None]:
-    with tooling.installed(agent), tasks.publish_suppressed():
+    with tooling.installed(agent), dispatch.publishing(dispatch.dropping_publisher):
         yield
 
 
@@ -178,7 +178,7 @@ def test_message_for_a_step_another_worker_holds_is_skipped(agent: Agent, run: R
 def take_over(step: Step, *, worker: str = "B") -> engine.Claim:
     """A's lease expires, the sweeper recovers the step, and `worker` claims it."""
     expire_lease(step)
-    assert engine.recover_expired(step.pk, actor="sweeper") == State.PENDING
+    assert recovery.recover_expired(step.pk, actor="sweeper") == State.PENDING
     claim = engine.claim_step(step.pk, worker=worker)
     assert isinstance(claim, engine.Claim)
     return claim
@@ -314,7 +314,7 @@ def test_recovery_leaves_alone_a_lease_renewed_after_the_sweeper_read_it(
         return execute(sql, *args)
 
     with connection.execute_wrapper(worker_a_commits_first):
-        outcome = engine.recover_expired(step.pk, actor="sweeper")
+        outcome = recovery.recover_expired(step.pk, actor="sweeper")
     assert fired
     call_tool(claim_a)  # A is in its call now
 
@@ -347,7 +347,7 @@ def test_recovery_of_a_leased_step_without_attempt_makes_it_pending(agent: Agent
     )
     expire_lease(step)
 
-    assert engine.recover_expired(step.pk) == State.PENDING
+    assert recovery.recover_expired(step.pk) == State.PENDING
 
     assert reload(step).not_before is not None
     assert engine.process(step.pk, worker="B") == State.COMPLETED
@@ -359,7 +359,7 @@ def test_recovery_of_a_claimed_attempt_makes_it_pending(agent: Agent, run: Run) 
     claim = claimed(step)
     expire_lease(step)
 
-    assert engine.recover_expired(step.pk, actor="sweeper:s1") == State.PENDING
+    assert recovery.recover_expired(step.pk, actor="sweeper:s1") == State.PENDING
 
     row = reload(step)
     assert (row.lease_owner, row.operation_id) == ("", step.operation_id)
@@ -380,7 +380,7 @@ def test_recovery_of_a_submitted_pure_or_read_attempt_retries_it(
     call_tool(claim)
     expire_lease(step)
 
-    assert engine.recover_expired(step.pk) == State.PENDING
+    assert recovery.recover_expired(step.pk) == State.PENDING
 
     assert engine.process(step.pk, worker="B") == State.COMPLETED
     assert len(calls.calls) == 2
@@ -395,7 +395,7 @@ def test_recovery_of_a_submitted_keyed_write_retries_it_with_the_same_key(
     call_tool(claim)
     expire_lease(step)
 
-    assert engine.recover_expired(step.pk) == State.PENDING
+    assert recovery.recover_expired(step.pk) == State.PENDING
 
     assert engine.process(step.pk, worker="B") == State.COMPLETED
     first, second = KeyedTool.calls
@@ -419,7 +419,7 @@ def test_recovery_of_a_submitted_write_with_lookup_found_completes_without_a_sec
     step = lost_lookup_write(agent, run)
     LookupTool.answer = Lookup(LookupOutcome.FOUND, external_id="T-1", result={"ticket": 1})
 
-    engine.recover_expired(step.pk)
+    recovery.recover_expired(step.pk)
     assert reload(step).state == State.COMPLETED
 
     row = reload(step)
@@ -440,7 +440,7 @@ def test_recovery_of_a_submitted_write_with_lookup_not_found_retries_the_same_op
     step = lost_lookup_write(agent, run)
     LookupTool.answer = Lookup(LookupOutcome.NOT_FOUND)
 
-    engine.recover_expired(step.pk)
+    recovery.recover_expired(step.pk)
     assert reload(step).state == State.PENDING
 
     assert reload(step).operation_id == step.operation_id
@@ -455,7 +455,7 @@ def test_recovery_of_a_submitted_write_whose_lookup_cannot_tell_stays_unknown(
     step = lost_lookup_write(agent, run)
     LookupTool.answer = Lookup(LookupOutcome.CANNOT_TELL)
 
-    assert engine.recover_expired(step.pk) == State.UNKNOWN
+    assert recovery.recover_expired(step.pk) == State.UNKNOWN
 
     row = reload(step)
     assert row.failure_class == FailureClass.AMBIGUOUS
@@ -467,7 +467,7 @@ def test_recovery_reports_the_state_the_lookup_left_the_step_in(agent: Agent, ru
     step = lost_lookup_write(agent, run)
     LookupTool.answer = Lookup(LookupOutcome.FOUND, external_id="T-1")
 
-    outcome = engine.recover_expired(step.pk)
+    outcome = recovery.recover_expired(step.pk)
 
     assert outcome == reload(step).state == State.COMPLETED
 
@@ -478,7 +478,7 @@ def test_not_found_from_a_lookup_that_is_not_authoritative_proves_nothing(
     step = lost_lookup_write(agent, run, tool="test.lookup_weak")
     WeakLookupTool.answer = Lookup(LookupOutcome.NOT_FOUND)
 
-    assert engine.recover_expired(step.pk) == State.UNKNOWN
+    assert recovery.recover_expired(step.pk) == State.UNKNOWN
 
     engine.process(step.pk, worker="B")
     assert len(WeakLookupTool.calls) == 1
@@ -493,7 +493,7 @@ def test_recovery_of_a_submitted_write_without_lookup_or_key_is_never_retried(
     call_tool(claim)
     expire_lease(step)
 
-    assert engine.recover_expired(step.pk) == State.UNKNOWN
+    assert recovery.recover_expired(step.pk) == State.UNKNOWN
 
     row = reload(step)
     assert (row.failure_class, row.not_before) == (FailureClass.AMBIGUOUS, None)
@@ -511,7 +511,7 @@ def test_recovery_of_a_stored_response_completes_without_submitting_again(
     store_response(claim, call_tool(claim))
     expire_lease(step)
 
-    assert engine.recover_expired(step.pk) == State.COMPLETED
+    assert recovery.recover_expired(step.pk) == State.COMPLETED
 
     row = reload(step)
     assert row.external_id == f"test.write-{step.operation_id}-1"
@@ -525,7 +525,7 @@ def test_recovery_ignores_a_lease_that_has_not_expired(agent: Agent, run: Run) -
     step = post(agent, run, "test.write")
     claimed(step)
 
-    assert engine.recover_expired(step.pk) == engine.Outcome.SKIPPED
+    assert recovery.recover_expired(step.pk) == engine.Outcome.SKIPPED
 
     assert reload(step).state == State.RUNNING
 
@@ -598,5 +598,5 @@ def test_message_for_an_unknown_step_id_is_skipped() -> None:
     missing = "00000000-0000-0000-0000-000000000000"
 
     assert engine.process(missing) == engine.Outcome.SKIPPED
-    assert engine.recover_expired(missing) == engine.Outcome.SKIPPED
-    assert engine.reconcile(missing) == engine.Outcome.SKIPPED
+    assert recovery.recover_expired(missing) == engine.Outcome.SKIPPED
+    assert recovery.reconcile(missing) == engine.Outcome.SKIPPED

@@ -13,7 +13,7 @@ from django.utils import timezone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from executor import engine, services, tasks
+from executor import dispatch, engine, services
 from executor.models import Agent, Phase, Run, Step
 from executor.states import State
 from executor.tools.base import FailureClass, Lookup, LookupOutcome, RetryPolicy, ToolError
@@ -39,7 +39,7 @@ pytestmark = pytest.mark.django_db
 
 @pytest.fixture(autouse=True)
 def engine_env(agent: Agent) -> Iterator[None]:
-    with tooling.installed(agent), tasks.publish_suppressed():
+    with tooling.installed(agent), dispatch.publishing(dispatch.dropping_publisher):
         yield
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
-from executor import engine, services, sweeper, tasks, transitions
+from executor import dispatch, engine, recovery, services, sweeper, transitions
 from executor.models import Agent, Run, Step, SweeperLease
 from executor.states import State
 from executor.tools.base import FailureClass, Lookup, LookupOutcome, unregister
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.django_db
 
 @pytest.fixture(autouse=True)
 def engine_env(agent: Agent) -> Iterator[None]:
-    with tooling.installed(agent), tasks.publish_suppressed():
+    with tooling.installed(agent), dispatch.publishing(dispatch.dropping_publisher):
         yield
 
 
@@ -185,13 +185,13 @@ def test_sweeper_asks_the_lookup_again_and_gives_up_after_a_few_tries(
     LookupTool.will(FailureClass.AMBIGUOUS)
     engine.process(step.pk, worker="w1")
 
-    for _ in range(engine.RECONCILE_TRIES + 2):
+    for _ in range(recovery.RECONCILE_TRIES + 2):
         Step.objects.filter(pk=step.pk, not_before__isnull=False).update(not_before=timezone.now())
         sweeper.sweep(owner="s1")
 
     row = reload(step)
     assert (row.state, row.not_before) == (State.UNKNOWN, None)
-    assert len(LookupTool.lookups) == engine.RECONCILE_TRIES
+    assert len(LookupTool.lookups) == recovery.RECONCILE_TRIES
     assert "a reviewer has it" in tooling.last_event(step).reason
     assert len(LookupTool.calls) == 1
 

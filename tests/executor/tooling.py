@@ -17,7 +17,7 @@ from django.db import transaction
 from django.utils import timezone
 from guardian.shortcuts import assign_perm
 
-from executor import engine, services, sweeper, transitions
+from executor import engine, progress, services, sweeper, transitions
 from executor.models import (
     Agent,
     Approval,
@@ -368,6 +368,6 @@ def approve_as(
     transitions.move(
         step, State.APPROVED, actor=f"user:{user.get_username()}", reason="approved", now=now
     )
-    promoted = services.steps_promote_ready(run=step.run, steps=[step], now=now)
+    promoted = progress.promote_ready(run_ids=[step.run_id], steps=[step], now=now)
     assert promoted == [step]
     return approval

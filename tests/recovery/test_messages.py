@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from executor import tasks
+from executor import dispatch, tasks
 from executor.models import Phase, Step
 from executor.states import State
 from tests.recovery.conftest import Cluster
@@ -52,7 +52,7 @@ def test_a_lost_message_is_resent_by_the_sweeper_and_the_step_completes(
     cluster: Cluster, post: Callable[..., Step]
 ) -> None:
     worker = cluster.worker().start(**NO_DRAIN)
-    with tasks.publish_suppressed():
+    with dispatch.publishing(dispatch.dropping_publisher):
         step = post("ticketdesk.create", ticket_input())
     assert Step.objects.get(pk=step.pk).state == State.PENDING
 
@@ -71,7 +71,7 @@ def test_a_duplicated_message_executes_the_step_once(
 ) -> None:
     cluster.desk.faults(latency_ms=DESK_LATENCY_MS)
     workers = [cluster.worker("w1").start(**NO_DRAIN), cluster.worker("w2").start(**NO_DRAIN)]
-    with tasks.publish_suppressed():
+    with dispatch.publishing(dispatch.dropping_publisher):
         step = post("ticketdesk.create", ticket_input())
 
     # No sweeper: these two copies are the only messages about this step.

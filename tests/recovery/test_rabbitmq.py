@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 from celery import Celery
 
-from executor import tasks
+from executor import dispatch
 from executor.models import Step
 from executor.states import State
 from tests.recovery.conftest import Cluster
@@ -44,7 +44,7 @@ def test_a_step_published_to_rabbitmq_is_executed_by_a_worker_consuming_it(
     amqp: str, cluster: Cluster, post: Callable[..., Step]
 ) -> None:
     worker = cluster.worker().start(CELERY_BROKER_URL=amqp, EXECUTOR_DRAIN_LIMIT="0")
-    with tasks.publish_suppressed():
+    with dispatch.publishing(dispatch.dropping_publisher):
         step = post("echo", {"via": "rabbitmq"})
     # Celery lets a CELERY_BROKER_URL in the environment (Redis, in CI's PostgreSQL pass)
     # override an app's broker, so the connection to RabbitMQ is named explicitly.

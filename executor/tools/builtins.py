@@ -1,0 +1,11 @@
+"""The built-in tools (DESIGN.md §6): `STEPWARD_TOOLS=executor.tools.builtins` loads them all.
+
+A deployment that adds its own keeps this entry and appends its modules, or names only the
+built-in modules it wants (`executor.tools.echo`, …).
+"""
+
+from __future__ import annotations
+
+from executor.tools import echo, email_send, http_get, ticketdesk
+
+__all__ = ["echo", "email_send", "http_get", "ticketdesk"]
