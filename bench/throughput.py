@@ -24,7 +24,8 @@ obtained, and one JSON line.
 
 Peers (DBOS, raw Celery) run in bench/.peers, a virtualenv of their own made on first use;
 never in the project's. If a peer cannot be installed or run, the output says so.
-Databases: stepward_bench, stepward_bench_counts, stepward_bench_dbos (dropped at the end);
+Databases: stepward_bench, stepward_bench_counts, stepward_bench_dbos (dropped at the end,
+but for `--keep-db`);
 Redis DBs 12 (Stepward's broker), 13 (raw Celery), 14 (the in-process counts).
 """
 
@@ -720,6 +721,7 @@ def peer_versions() -> dict[str, str] | None:
             str(PEER_PY),
             "-c",
             "import json, importlib.metadata as m, dbos, celery, redis, psycopg; "
+            "import kombu.transport.redis; "
             "print(json.dumps({p: m.version(p) for p in ('dbos', 'celery', 'redis', 'psycopg')}))",
         ],
         capture_output=True,
@@ -918,7 +920,7 @@ def report(bench: Bench, meta: dict[str, Any]) -> None:
             f"{a.steps} tasks queued first; tasks' own first start -> last end",
         )
         row(
-            f"DBOS Transact one-step workflows, {c} processes",
+            f"DBOS Transact one-step workflows, {c} process{'es' if c != 1 else ''}",
             fig(dbos.get("steps_per_second"), " steps/s")
             if "steps_per_second" in dbos
             else err("drain", str(c), "dbos"),
@@ -1064,7 +1066,7 @@ def machine(bench: Bench) -> dict[str, Any]:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--setup", action="store_true", help="only make bench/.peers, then exit")
-    p.add_argument("--steps", type=int, default=1000, help="N for each drain and each peer")
+    p.add_argument("--steps", type=int, default=2000, help="N for each drain and each peer")
     p.add_argument("--workers", default="1,2,4", help="worker processes C, comma-separated")
     p.add_argument("--single-steps", type=int, default=500)
     p.add_argument("--single-clients", type=int, default=8)
@@ -1082,6 +1084,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dbos-polling", type=float, default=0.01, help="seconds")
     p.add_argument("--no-peers", action="store_true", help="skip raw Celery and DBOS")
     p.add_argument("--timeout", type=float, default=120, help="extra seconds per drain")
+    p.add_argument("--keep-db", action="store_true", help=f"leave {DB} for inspection")
     args = p.parse_args()
     args.workers = [int(w) for w in str(args.workers).split(",") if w.strip()]
     return args
@@ -1183,7 +1186,7 @@ def main() -> None:
         run(bench, meta)
     finally:
         Proc.stop_all()
-        for database in (DB_COUNTS, DB_DBOS):
+        for database in (DB_COUNTS, DB_DBOS) if args.keep_db else (DB, DB_COUNTS, DB_DBOS):
             drop(database)
         for db in (REDIS_STEPWARD, REDIS_PEER, REDIS_COUNTS):
             with contextlib.suppress(redis.RedisError):
