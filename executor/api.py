@@ -469,7 +469,10 @@ def steps_post_batch(
             for item in payload.steps
         ],
     )
-    return Status(201 if created else 200, {"steps": [step_out(step) for step in steps]})
+    answer = [
+        {**step_out(step), "created": made} for step, made in zip(steps, created, strict=True)
+    ]
+    return Status(201 if any(created) else 200, {"steps": answer})
 
 
 @api.get(

@@ -37,7 +37,7 @@ import email.utils
 import random
 import time
 import uuid
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -60,6 +60,7 @@ __all__ = [
     "Run",
     "ServerError",
     "Step",
+    "StepSpec",
     "Stepward",
     "StepwardError",
     "Unauthorized",
@@ -100,6 +101,8 @@ MAX_BACKOFF_SECONDS = 30.0
 MAX_RETRY_AFTER_SECONDS = 60.0
 RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
 STEPS_PAGE = 1000
+# Most steps one batch post may carry (API.md).
+BATCH_MAX = 500
 
 
 # --- errors -------------------------------------------------------------------------------
@@ -404,6 +407,25 @@ def _condition(
     return lambda step: step.state in states
 
 
+@dataclass(frozen=True)
+class StepSpec:
+    """One item of `Run.steps([...])`: the same fields as `Run.step`."""
+
+    key: str
+    tool: str
+    input: dict[str, Any]
+    summary: str | None = None
+    depends_on: tuple[str, ...] = ()
+
+    def body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"key": self.key, "tool": self.tool, "input": self.input}
+        if self.summary is not None:
+            body["summary"] = self.summary
+        if self.depends_on:
+            body["depends_on"] = list(self.depends_on)
+        return body
+
+
 class Run:
     """A run as last read; `raw` is the API's dict."""
 
@@ -467,9 +489,28 @@ class Run:
         response = self._client._request("POST", f"/runs/{_segment(self.id)}/steps", json=body)
         return Step(self._client, _json(response), created=response.status_code == 201)
 
-    def steps(self) -> list[Step]:
-        """All the run's steps in posting order (read page by page)."""
-        return list(self.iter_steps())
+    def steps(self, items: Sequence[StepSpec | dict[str, Any]] | None = None) -> list[Step]:
+        """Without `items`: all the run's steps in posting order (read page by page).
+
+        With `items`: posts them as batches (API.md `POST /runs/{id}/steps/batch`) and returns
+        the steps in the same order. Each item is a StepSpec or a dict `{key, tool, input,
+        summary?, depends_on?}`; `depends_on` may name earlier items. A batch is all or
+        nothing; a list longer than BATCH_MAX goes as several batches, each all or nothing,
+        and since every item is idempotent by key the whole call is safe to repeat.
+        """
+        if items is None:
+            return list(self.iter_steps())
+        bodies = [item.body() if isinstance(item, StepSpec) else dict(item) for item in items]
+        steps: list[Step] = []
+        for start in range(0, len(bodies), BATCH_MAX):
+            response = self._client._request(
+                "POST",
+                f"/runs/{_segment(self.id)}/steps/batch",
+                json={"steps": bodies[start : start + BATCH_MAX]},
+            )
+            for raw in _json(response)["steps"]:
+                steps.append(Step(self._client, raw, created=bool(raw.get("created"))))
+        return steps
 
     def iter_steps(self) -> Iterator[Step]:
         after = 0

@@ -20,6 +20,7 @@ import os
 import random
 import socket
 import threading
+import uuid
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -177,20 +178,24 @@ def claim(
     """Takes the leases on a batch of due pending steps and decides their authorization, in
     one commit (DESIGN.md §5 points 2 to 4, §14).
 
-    `step_ids` names the steps (a message's, a test's); otherwise up to `light` due pure/read
-    steps and `writes` due write steps are taken. Pure and read steps that may go on are
-    also past their `submitting` point (usage counted) when this returns; write steps are
-    `claimed`. Steps that may not go on end blocked, cancelled, or pending in a paused run,
-    each with its closed attempt, exactly as one step claimed alone would.
+    `step_ids` names steps to look at (a message's, a test's) whatever their age; besides
+    them, up to `light` due pure/read steps and `writes` due write steps are taken. Pure and
+    read steps that may go on are also past their `submitting` point (usage counted) when
+    this returns; write steps are `claimed`. Steps that may not go on end blocked, cancelled,
+    or pending in a paused run, each with its closed attempt, exactly as one step claimed
+    alone would.
     """
     now = now or timezone.now()
     batch = Batch()
     actor = executor_actor(worker)
     with transaction.atomic():
-        if step_ids is not None:
+        rows = []
+        if step_ids:
             rows = list(_locked(Step.objects.filter(pk__in=step_ids, state=State.PENDING)))
-        else:
-            rows = _due_steps(light=light, writes=writes, now=now)
+        named = {step.pk for step in rows}
+        rows += [
+            step for step in _due_steps(light=light, writes=writes, now=now) if step.pk not in named
+        ]
         taken: list[Step] = []
         for step in rows:
             if step.run.status == RunStatus.CANCELLED:
@@ -840,43 +845,58 @@ def _execute_in_thread(claim: Claim) -> str:
 
 
 class WritePool:
-    """Runs claimed write steps, at most `size` at once (in this thread when `size` is 0)."""
+    """Runs claimed write steps on the process's threads, `size` calls at once, with a
+    backlog of at most as many again (in the calling thread, one by one, when `size` is 0).
 
-    def __init__(self, size: int, keeper: LeaseKeeper) -> None:
+    Writes are claimed for it a pool's worth at a time, never one by one as each call
+    returns: a claim is a commit, and the backlog's leases are kept like the running ones.
+    """
+
+    def __init__(self, size: int, keeper: LeaseKeeper, ends: dict[Any, str]) -> None:
         self.size = size
         self.keeper = keeper
-        self._running: set[Future[str]] = set()
+        # Where each step it ran ended, as each call's thread returns.
+        self.ends = ends
+        self._running: dict[Future[str], Claim] = {}
 
-    def free(self, wanted: int) -> int:
+    def room(self, wanted: int) -> int:
+        """How many write steps to claim now."""
         if self.size == 0:
             return wanted
         self._reap()
-        return max(0, self.size - len(self._running))
+        if len(self._running) > self.size:
+            return 0
+        return min(wanted, 2 * self.size - len(self._running))
 
     def submit(self, claims: Sequence[Claim]) -> None:
         for c in claims:
             if self.size == 0:
-                execute_claimed(c)
+                self.ends[c.step.pk] = execute_claimed(c)
                 self.keeper.release([c])
-                continue
-            future = _call_pool().submit(_execute_in_thread, c)
-            future.add_done_callback(lambda _f, c=c: self.keeper.release([c]))  # type: ignore[misc]
-            self._running.add(future)
+            else:
+                self._running[_call_pool().submit(_execute_in_thread, c)] = c
 
     def busy(self) -> bool:
         self._reap()
         return bool(self._running)
 
-    def wait_one(self) -> None:
+    def wait_for_room(self) -> None:
+        """Waits for a call to end, and on until a claim would take writes again."""
         wait(self._running, return_when=FIRST_COMPLETED)
         self._reap()
+        while len(self._running) > self.size:
+            wait(self._running, return_when=FIRST_COMPLETED)
+            self._reap()
 
     def join(self) -> None:
         wait(self._running)
-        self._running.clear()
+        self._reap()
 
     def _reap(self) -> None:
-        self._running = {f for f in self._running if not f.done()}
+        for future in [f for f in self._running if f.done()]:
+            claim = self._running.pop(future)
+            self.keeper.release([claim])
+            self.ends[claim.step.pk] = future.result()
 
 
 def drain(*, worker: str, limit: int | None = None) -> int:
@@ -885,29 +905,58 @@ def drain(*, worker: str, limit: int | None = None) -> int:
     Returns how many it claimed. Pure and read steps run here, batch by batch; write steps
     go to the pool, and a batch claims no more of them than the pool has room for.
     """
+    return _drain(worker=worker, limit=limit).claimed
+
+
+def wake(step_id: Any, *, worker: str, limit: int | None = None) -> str:
+    """What a message does: looks at the named step in the first batch, then drains due
+    work until none is left (or `limit` more steps were claimed). Returns what happened to
+    the named step: the state it ended in, or an Outcome."""
+    try:
+        hint = uuid.UUID(str(step_id))
+    except ValueError:  # not a step id at all: nothing to look at but the due work
+        _drain(worker=worker, limit=limit)
+        return Outcome.SKIPPED
+    return _drain(worker=worker, limit=limit, hint=hint).ends.get(hint, Outcome.SKIPPED)
+
+
+@dataclass
+class Drained:
+    claimed: int = 0
+    # Where each step looked at ended (a state, or an Outcome).
+    ends: dict[Any, str] = field(default_factory=dict)
+
+
+def _drain(*, worker: str, limit: int | None, hint: Any = None) -> Drained:
     limit = settings.EXECUTOR_DRAIN_LIMIT if limit is None else limit
     size = settings.EXECUTOR_BATCH_SIZE
-    claimed = 0
+    drained = Drained()
+    named = [hint] if hint is not None else []
     with LeaseKeeper() as keeper:
-        pool = WritePool(settings.EXECUTOR_WRITE_POOL, keeper)
+        pool = WritePool(settings.EXECUTOR_WRITE_POOL, keeper, drained.ends)
         try:
-            while claimed < limit:
-                room = min(size, limit - claimed)
-                batch = claim(worker=worker, light=room, writes=pool.free(room))
-                if not batch.claims:
-                    if batch.outcomes:
-                        continue  # refused steps: look again
-                    if pool.busy():
-                        pool.wait_one()
-                        continue
+            while named or drained.claimed < limit:
+                room = min(size, limit - drained.claimed)
+                writes = pool.room(room)
+                batch = claim(worker=worker, step_ids=named, light=room, writes=writes)
+                named = []
+                drained.ends.update(batch.outcomes)
+                if batch.claims:
+                    drained.claimed += len(batch.claims)
+                    keeper.hold(batch.claims)
+                    pool.submit([c for c in batch.claims if not is_light(c.tool)])
+                    light = [c for c in batch.claims if is_light(c.tool)]
+                    if light:
+                        drained.ends.update(run_light(light))
+                        keeper.release(light)
+                elif batch.outcomes and drained.claimed < limit:
+                    continue  # only refusals: look again
+                elif pool.busy():
+                    pool.wait_for_room()
+                elif writes == 0 < room:
+                    continue  # the pool was full when this claim looked: look for writes now
+                else:
                     break
-                claimed += len(batch.claims)
-                keeper.hold(batch.claims)
-                light = [c for c in batch.claims if is_light(c.tool)]
-                pool.submit([c for c in batch.claims if not is_light(c.tool)])
-                if light:
-                    run_light(light)
-                    keeper.release(light)
         finally:
             pool.join()
-    return claimed
+    return drained

@@ -281,6 +281,20 @@ class Step(models.Model):
         return {"class": self.failure_class, "message": self.failure_message}
 
 
+class StepCounter(models.Model):
+    """The last position a run handed out, so that posts number their steps with one atomic
+    increment of this row: no lock on the run (which workers update for budgets) and no
+    scan for the run's highest position."""
+
+    run = models.OneToOneField(
+        Run, primary_key=True, on_delete=models.CASCADE, related_name="step_counter"
+    )
+    last_position = models.PositiveIntegerField(default=0)
+
+    def __str__(self) -> str:
+        return f"{self.run_id}: {self.last_position}"
+
+
 class Phase(models.TextChoices):
     CLAIMED = "claimed"
     SUBMITTING = "submitting"

@@ -243,8 +243,12 @@ class StepOut(Schema):
     compensates: UUID | None = Field(description="The step this one undoes, if any.")
 
 
+class BatchStepOut(StepOut):
+    created: bool = Field(description="Whether this post created the step (else it existed).")
+
+
 class StepsBatchOut(Schema):
-    steps: list[StepOut] = Field(description="The batch's steps, in the request's order.")
+    steps: list[BatchStepOut] = Field(description="The batch's steps, in the request's order.")
 
 
 class ReportEntryOut(Schema):

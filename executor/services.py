@@ -15,7 +15,7 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import User
 from django.db import IntegrityError, transaction
-from django.db.models import F, Max, Q, TextChoices
+from django.db.models import F, TextChoices
 from django.utils import timezone
 from guardian.shortcuts import assign_perm
 
@@ -289,15 +289,15 @@ def step_post(
 ) -> tuple[Step, bool]:
     """Records a step the agent wants done; returns (step, created). See `steps_post`."""
     request = StepRequest(key, tool_name, input, summary, tuple(depends_on or ()))
-    [step], created = _steps_post(agent=agent, run=run, requests=[request], batch=False)
+    [step], [created] = _steps_post(agent=agent, run=run, requests=[request], batch=False)
     return step, created
 
 
 def steps_post(
     *, agent: Agent, run: Run, requests: Sequence[StepRequest]
-) -> tuple[list[Step], bool]:
+) -> tuple[list[Step], list[bool]]:
     """Records up to MAX_BATCH steps at once, all or nothing; returns them in the request's
-    order and whether any was created.
+    order, and for each whether this post created it.
 
     Posting is idempotent on `key`: the same key with the same call is the existing step, the
     same key with another call is a Conflict. `depends_on` may name steps already in the run
@@ -313,23 +313,23 @@ def steps_post(
 
 def _steps_post(
     *, agent: Agent, run: Run, requests: Sequence[StepRequest], batch: bool
-) -> tuple[list[Step], bool]:
+) -> tuple[list[Step], list[bool]]:
     for _ in range(POST_RETRIES):
         try:
             return _steps_post_once(agent=agent, run=run, requests=requests, batch=batch)
         except IntegrityError:
-            # A concurrent post took one of these keys or positions: read again and retry.
+            # A concurrent post of the same key won: read again, and answer its step.
             continue
     raise Conflict("the run is being posted to concurrently; try again")
 
 
-# Concurrent posts to one run may number a step alike; the loser reads again and retries.
-POST_RETRIES = 5
+# A concurrent post of one key makes the slower one read again; twice is plenty.
+POST_RETRIES = 3
 
 
 def _steps_post_once(
     *, agent: Agent, run: Run, requests: Sequence[StepRequest], batch: bool
-) -> tuple[list[Step], bool]:
+) -> tuple[list[Step], list[bool]]:
     tools: list[ToolContract] = []
     for index, request in enumerate(requests):
         try:
@@ -339,15 +339,8 @@ def _steps_post_once(
                 Invalid(f"unknown tool {request.tool!r}", {"tool": request.tool}),
                 index if batch else None,
             ) from None
-    keys = {r.key for r in requests}
-    named = keys | {k for r in requests for k in r.depends_on}
-    # One statement: the steps these keys name, and the run's last step (for numbering).
-    last = Step.objects.filter(run=run).order_by("-position").values("pk")[:1]
-    known = {
-        step.key: step
-        for step in Step.objects.filter(Q(key__in=named) | Q(pk__in=last), run=run).defer("input")
-    }
-    position = max((step.position for step in known.values()), default=0)
+    named = {r.key for r in requests} | {k for r in requests for k in r.depends_on}
+    known = {step.key: step for step in Step.objects.filter(run=run, key__in=named).defer("input")}
     grants = policy.grants(
         users=[agent.user_id], workspaces=[run.workspace_id], tools={r.tool for r in requests}
     )
@@ -377,10 +370,8 @@ def _steps_post_once(
             _check_new_step(agent, run, request, tool, may, known, seen)
         except ServiceError as error:
             raise _refused(error, where) from None
-        position += 1
         step = Step(
             run=run,
-            position=position,
             key=request.key,
             tool_id=request.tool,
             input=request.input,
@@ -391,8 +382,10 @@ def _steps_post_once(
         new.append((step, tool, _posted_history(step, tool, known, seen, actor=actor, now=now)))
         steps.append(step)
         seen[request.key] = step
+    made = {step.pk for step, _, _ in new}
+    created = [step.pk in made for step in steps]
     if not new:
-        return steps, False
+        return steps, created
     with transaction.atomic():
         transitions.insert_many([(step, history) for step, _, history in new], now=now)
         Approval.objects.bulk_create(
@@ -401,7 +394,7 @@ def _steps_post_once(
             if not tool.needs_approval()
         )
         dispatch.execute_many([step.pk for step, _, _ in new if step.state == State.PENDING])
-    return steps, True
+    return steps, created
 
 
 def _check_new_step(
@@ -814,30 +807,18 @@ def compensation_request(*, step: Step, user: User, version: int, reason: str) -
     n = step.compensations.count() + 1
     key = f"{step.key}:compensation" + (f"-{n}" if n > 1 else "")
     now = timezone.now()
-    for _ in range(POST_RETRIES):
-        last = Step.objects.filter(run=step.run).aggregate(last=Max("position"))["last"]
-        compensation = Step(
-            run=step.run,
-            position=(last or 0) + 1,
-            key=key[:200],
-            tool_id=comp_tool.name,
-            input=comp_input,
-            input_hash=canonical_hash({"tool": comp_tool.name, "input": comp_input}),
-            input_summary=f"undo {step.key}: " + comp_tool.summarize(comp_input),
-            compensates=step,
-        )
-        try:
-            transitions.insert(
-                compensation,
-                actor=user_actor(user),
-                reason=f"compensation requested: {reason}",
-                now=now,
-            )
-        except IntegrityError:
-            continue  # an agent's post took the position meanwhile: number it again
-        break
-    else:
-        raise Conflict("the run is being posted to concurrently; try again")
+    compensation = Step(
+        run=step.run,
+        key=key[:200],
+        tool_id=comp_tool.name,
+        input=comp_input,
+        input_hash=canonical_hash({"tool": comp_tool.name, "input": comp_input}),
+        input_summary=f"undo {step.key}: " + comp_tool.summarize(comp_input),
+        compensates=step,
+    )
+    transitions.insert(
+        compensation, actor=user_actor(user), reason=f"compensation requested: {reason}", now=now
+    )
     return compensation
 
 

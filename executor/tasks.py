@@ -14,9 +14,10 @@ logger = logging.getLogger(__name__)
 
 
 @shared_task(name=dispatch.EXECUTE, acks_late=True, ignore_result=True)
-def execute_step(step_id: str) -> int:
-    """A step is due (`step_id` is only a hint): drain due work in batches until none is left."""
-    return engine.drain(worker=engine.worker_name())
+def execute_step(step_id: str) -> str:
+    """Looks at the named step in the first batch, then drains due work in batches until
+    none is left (up to EXECUTOR_DRAIN_LIMIT steps). Returns what happened to the named step."""
+    return engine.wake(step_id, worker=engine.worker_name())
 
 
 @shared_task(name=dispatch.RECONCILE, acks_late=True, ignore_result=True)

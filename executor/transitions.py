@@ -18,12 +18,12 @@ from datetime import datetime
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
 from executor.bulk import update_rows
-from executor.models import Event, Step
+from executor.models import Event, Step, StepCounter
 from executor.states import LEASED, State, is_allowed
 
 
@@ -307,8 +307,37 @@ def insert_many(histories: Sequence[tuple[Step, Sequence[Posted]]], *, now: date
         step.state = State(source)
         step.version = len(history)
         step.created_at = step.updated_at = now
+    by_run: dict[Any, list[Step]] = {}
+    for step, _ in histories:
+        by_run.setdefault(step.run_id, []).append(step)
+    for run_id, steps in by_run.items():
+        first = take_positions(run_id, len(steps))
+        for offset, step in enumerate(steps):
+            step.position = first + offset
     Step.objects.bulk_create([step for step, _ in histories])
     Event.objects.bulk_create(events)
+
+
+def take_positions(run_id: Any, count: int) -> int:
+    """Reserves `count` consecutive positions in the run's posting order; returns the first.
+
+    One statement: it creates the run's counter (from its highest position, for steps
+    numbered before the counter existed) or increments it. Concurrent posts to one run wait
+    on this row only, from here to their commit; nothing else locks it.
+    """
+    table = StepCounter._meta.db_table
+    steps = Step._meta.db_table
+    run = StepCounter._meta.pk.get_db_prep_value(run_id, connection)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {table} (run_id, last_position) "  # noqa: S608 - names, not input
+            f"VALUES (%s, (SELECT COALESCE(MAX(position), 0) FROM {steps} WHERE run_id = %s) + %s) "
+            f"ON CONFLICT (run_id) DO UPDATE SET last_position = {table}.last_position + %s "
+            "RETURNING last_position",
+            [run, run, count, count],
+        )
+        (last,) = cursor.fetchone()
+    return int(last) - count + 1
 
 
 def insert(step: Step, *, actor: str, reason: str = "", now: datetime | None = None) -> Step:

@@ -176,8 +176,7 @@ def test_every_module_has_a_layer() -> None:
 
 def test_no_module_imports_a_layer_above_its_own() -> None:
     upward = [
-        f"{source} ({LAYERS[layer_of(source)][0]}) imports {target} "
-        f"({LAYERS[layer_of(target)][0]})"
+        f"{source} ({LAYERS[layer_of(source)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
         for source, targets in import_graph().items()
         for target in targets
         if layer_of(target) > layer_of(source)

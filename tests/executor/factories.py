@@ -7,7 +7,6 @@ from collections import deque
 from datetime import timedelta
 from typing import Any
 
-from django.db.models import Max
 from django.utils import timezone
 
 from executor import services, transitions
@@ -64,10 +63,8 @@ def ensure_tool() -> None:
 def new_step(run: Run, *, key: str | None = None) -> Step:
     """A fresh planned step with its first Event, inserted the way step_post does."""
     ensure_tool()
-    last = Step.objects.filter(run=run).aggregate(last=Max("position"))["last"] or 0
     step = Step(
         run=run,
-        position=last + 1,
         key=key or f"step-{uuid.uuid4().hex[:12]}",
         tool_id=TOOL,
         input={"message": "hello"},

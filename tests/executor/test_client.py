@@ -34,6 +34,7 @@ from executor.client import (
     NotFound,
     RateLimited,
     Step,
+    StepSpec,
     Stepward,
     Unauthorized,
     WaitTimeout,
@@ -458,6 +459,28 @@ def test_steps_report_and_cancel(stepward: Stepward) -> None:
     assert run.status == "cancelled"
     assert second.refresh().state == "cancelled"
     assert stepward.get_run(run.id).refresh().counts == {"completed": 1, "cancelled": 1}
+
+
+def test_steps_posts_a_batch_all_or_nothing_and_is_safe_to_repeat(stepward: Stepward) -> None:
+    run = stepward.run("a batch", key="batch-1")
+    items = [
+        StepSpec("fetch", "echo", {"n": 1}),
+        {"key": "use", "tool": "echo", "input": {"n": 2}, "depends_on": ["fetch"]},
+    ]
+
+    first = run.steps(items)
+    again = run.steps(items)
+
+    assert [(s.key, s.state, s.created) for s in first] == [
+        ("fetch", "pending", True),
+        ("use", "approved", True),
+    ]
+    assert [s.id for s in again] == [s.id for s in first]
+    assert [s.created for s in again] == [False, False]
+    with pytest.raises(InvalidRequest) as refused:
+        run.steps([StepSpec("more", "echo", {"n": 3}), StepSpec("bad", "no.such.tool", {})])
+    assert refused.value.details["index"] == 1
+    assert [s.key for s in run.steps()] == ["fetch", "use"]
 
 
 # --- typed errors ------------------------------------------------------------------------------

@@ -1,0 +1,289 @@
+"""The engine in batches (DESIGN.md §14): the commit points of §5 kept per step, a fixed cost
+per batch, authorization and budgets decided step by step from facts read once, fences
+checked row by row, and concurrent drainers never sharing a step."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+from guardian.shortcuts import assign_perm, remove_perm
+
+from executor import dispatch, engine, recovery, services
+from executor.models import Agent, Attempt, Phase, Run, RunStatus, Step, Workspace
+from executor.models import Tool as ToolRow
+from executor.states import State
+from tests.executor import tooling
+from tests.executor.tooling import PureTool, WriteTool, expire_lease, reload
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def engine_env(agent: Agent) -> Iterator[None]:
+    with tooling.installed(agent), dispatch.publishing(dispatch.dropping_publisher):
+        yield
+
+
+def post_many(agent: Agent, run: Run, tool: str, count: int) -> list[Step]:
+    steps, _ = services.steps_post(
+        agent=agent,
+        run=run,
+        requests=[services.StepRequest(f"{tool}-{i}", tool, {"n": i}) for i in range(count)],
+    )
+    return steps
+
+
+@contextmanager
+def commits() -> Iterator[list[str]]:
+    """Counts this connection's write transactions: the commits of atomic blocks, and each
+    write statement run outside one (autocommit)."""
+    seen: list[str] = []
+    real_commit = connection.commit
+
+    def commit() -> None:
+        seen.append("commit")
+        real_commit()
+
+    def autocommitted(execute: Any, sql: str, *args: Any) -> Any:
+        if not connection.in_atomic_block and sql.lstrip().upper().startswith(
+            ("INSERT", "UPDATE", "DELETE")
+        ):
+            seen.append(sql)
+        return execute(sql, *args)
+
+    connection.commit = commit  # type: ignore[method-assign]
+    try:
+        with connection.execute_wrapper(autocommitted):
+            yield seen
+    finally:
+        del connection.commit
+
+
+# --- the commit points, per step and per batch ------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_pure_step_takes_two_commits(agent: Agent, run: Run) -> None:
+    [step] = post_many(agent, run, "test.pure", 1)
+
+    with commits() as seen:
+        assert engine.process(step.pk, worker="w1") == State.COMPLETED
+
+    assert len(seen) == 2  # claim + authorize + submitting; completed
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_write_step_takes_four_commits(agent: Agent, run: Run) -> None:
+    [step] = post_many(agent, run, "test.write", 1)
+
+    with commits() as seen:
+        assert engine.process(step.pk, worker="w1") == State.COMPLETED
+
+    assert len(seen) == 4  # claim + authorize; submitting; responded; completed
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_batch_of_pure_steps_takes_two_commits_in_all(agent: Agent, run: Run) -> None:
+    steps = post_many(agent, run, "test.pure", 40)
+
+    with commits() as seen:
+        assert engine.drain(worker="w1") == 40
+
+    # The batch's claim, its outcomes, and the look that found nothing more due.
+    assert len(seen) == 3
+    assert {reload(s).state for s in steps} == {State.COMPLETED}
+    assert len(PureTool.calls) == 40
+
+
+def test_a_batch_costs_the_same_statements_whatever_its_size(agent: Agent) -> None:
+    def statements_to_drain(count: int) -> int:
+        run, _ = services.run_create(agent=agent, name=f"{count} steps")
+        post_many(agent, run, "test.pure", count)
+        with CaptureQueriesContext(connection) as queries:
+            assert engine.drain(worker="w1") == count
+        return len(queries.captured_queries)
+
+    assert statements_to_drain(3) == statements_to_drain(90)
+
+
+def test_batches_are_as_large_as_the_setting(agent: Agent, run: Run, settings: Any) -> None:
+    settings.EXECUTOR_BATCH_SIZE = 10
+    steps = post_many(agent, run, "test.pure", 25)
+
+    assert engine.drain(worker="w1") == 25
+
+    claim_times = {reload(s).events.get(to_state=State.RUNNING).created_at for s in steps}
+    assert len(claim_times) == 3  # 10 + 10 + 5
+
+
+def test_pure_steps_of_a_batch_are_submitted_in_the_claim_commit(agent: Agent, run: Run) -> None:
+    steps = post_many(agent, run, "test.pure", 3)
+
+    batch = engine.claim(worker="w1", light=10)
+
+    assert [c.step.pk for c in batch.claims] == [s.pk for s in steps]
+    for c in batch.claims:
+        attempt = Attempt.objects.get(pk=c.attempt.pk)
+        assert (attempt.phase, attempt.fence) == (Phase.SUBMITTING, 1)
+        assert attempt.request_evidence == {"tool": "test.pure", "input": c.step.input}
+    assert Run.objects.get(pk=run.pk).used_calls == 3
+    assert PureTool.calls == []
+
+
+def test_write_steps_of_a_batch_wait_claimed_until_their_own_submission(
+    agent: Agent, run: Run
+) -> None:
+    post_many(agent, run, "test.write", 2)
+
+    batch = engine.claim(worker="w1", writes=10)
+
+    assert {Attempt.objects.get(pk=c.attempt.pk).phase for c in batch.claims} == {Phase.CLAIMED}
+    assert Run.objects.get(pk=run.pk).used_calls == 0
+
+
+def test_a_claim_takes_no_more_writes_than_asked(agent: Agent, run: Run) -> None:
+    post_many(agent, run, "test.write", 5)
+    post_many(agent, run, "test.pure", 5)
+
+    batch = engine.claim(worker="w1", light=10, writes=2)
+
+    tools = sorted(c.step.tool_id for c in batch.claims)
+    assert tools == ["test.pure"] * 5 + ["test.write"] * 2
+
+
+# --- decided step by step ------------------------------------------------------------------
+
+
+def test_authorization_is_decided_for_each_step_of_a_batch(
+    agent: Agent, run: Run, workspace: Workspace
+) -> None:
+    other, _ = services.agent_create(workspace=workspace, name="other-bot")
+    for row in ToolRow.objects.filter(name__startswith="test."):
+        assign_perm("executor.use_tool", other.user, row)
+    other_run, _ = services.run_create(agent=other, name="other")
+    mine = post_many(agent, run, "test.pure", 3)
+    theirs = post_many(other, other_run, "test.pure", 3)
+    remove_perm("executor.use_tool", other.user, ToolRow.objects.get(name="test.pure"))
+
+    assert engine.drain(worker="w1") == 3
+
+    assert {reload(s).state for s in mine} == {State.COMPLETED}
+    for step in theirs:
+        blocked = reload(step)
+        assert blocked.state == State.BLOCKED
+        assert "may no longer use test.pure" in blocked.failure_message
+        [attempt] = blocked.attempts.all()
+        assert (attempt.phase, attempt.submitted_at) == (Phase.ABANDONED, None)
+    assert len(PureTool.calls) == 3
+
+
+def test_a_batch_takes_only_the_calls_its_run_has_budget_for(agent: Agent) -> None:
+    run, _ = services.run_create(agent=agent, name="capped", max_calls=3)
+    steps = post_many(agent, run, "test.pure", 5)
+
+    engine.drain(worker="w1")
+
+    assert [reload(s).state for s in steps] == [State.COMPLETED] * 3 + [State.PENDING] * 2
+    fresh = Run.objects.get(pk=run.pk)
+    assert (fresh.status, fresh.used_calls) == (RunStatus.PAUSED, 3)
+    assert "max_calls" in fresh.pause_reason
+    assert len(PureTool.calls) == 3
+    released = Attempt.objects.filter(step__in=steps[3:])
+    assert {(a.phase, a.error_class) for a in released} == {(Phase.ABANDONED, "budget")}
+
+
+def test_a_fenced_out_step_of_a_batch_writes_nothing_while_the_others_complete(
+    agent: Agent, run: Run
+) -> None:
+    steps = post_many(agent, run, "test.pure", 3)
+    batch = engine.claim(worker="A", light=10)
+    taken = steps[1]
+    expire_lease(taken)
+    assert recovery.recover_expired(taken.pk) == State.PENDING
+    [b_claim] = engine.claim(worker="B", step_ids=[taken.pk]).claims
+
+    ends = engine.run_light(batch.claims)
+
+    assert ends == {
+        steps[0].pk: State.COMPLETED,
+        taken.pk: engine.Outcome.FENCED_OUT,
+        steps[2].pk: State.COMPLETED,
+    }
+    row = reload(taken)
+    assert (row.state, row.lease_owner, row.result) == (State.RUNNING, "B", None)
+    refused = Attempt.objects.get(step=taken, worker="A")
+    assert refused.fenced_out_write == "responded"
+    assert engine.run_light([b_claim]) == {taken.pk: State.COMPLETED}
+
+
+def test_extend_leases_renews_the_held_and_names_the_lost(agent: Agent, run: Run) -> None:
+    first, second = post_many(agent, run, "test.write", 2)
+    claims = engine.claim(worker="A", writes=10).claims
+    expire_lease(second)
+    recovery.recover_expired(second.pk)
+    engine.claim(worker="B", step_ids=[second.pk])
+    lease_b = reload(second).lease_expires_at
+
+    lost = engine.extend_leases(claims, now=reload(first).lease_expires_at)
+
+    assert [c.step.pk for c in lost] == [second.pk]
+    assert reload(first).lease_expires_at > claims[0].step.lease_expires_at
+    assert reload(second).lease_expires_at == lease_b
+
+
+# --- threads and concurrent drainers ------------------------------------------------------------
+
+
+def drain_in_thread(worker: str, counts: dict[str, int]) -> threading.Thread:
+    def run() -> None:
+        try:
+            counts[worker] = engine.drain(worker=worker)
+        finally:
+            connection.close()
+
+    return threading.Thread(target=run, name=worker)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_concurrent_drainers_never_claim_one_step_both(
+    agent: Agent, run: Run, settings: Any
+) -> None:
+    settings.EXECUTOR_BATCH_SIZE = 20
+    steps = post_many(agent, run, "test.pure", 200)
+    counts: dict[str, int] = {}
+    threads = [drain_in_thread(name, counts) for name in ("A", "B")]
+
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+
+    assert sum(counts.values()) == 200
+    assert {reload(s).state for s in steps} == {State.COMPLETED}
+    assert Attempt.objects.filter(step__run=run).count() == 200
+    called = [call.step_id for call in PureTool.calls]
+    assert len(called) == len(set(called)) == 200
+    if connection.vendor == "postgresql":
+        # SKIP LOCKED lets both work side by side rather than one after the other.
+        assert min(counts.values()) > 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_write_steps_run_in_the_pool_each_called_once(
+    agent: Agent, run: Run, settings: Any
+) -> None:
+    settings.EXECUTOR_WRITE_POOL = 3
+    steps = post_many(agent, run, "test.write", 12)
+
+    assert engine.drain(worker="w1") == 12
+
+    assert {reload(s).state for s in steps} == {State.COMPLETED}
+    assert sorted(call.step_id for call in WriteTool.calls) == sorted(str(s.pk) for s in steps)
+    threads = {a.worker for a in Attempt.objects.filter(step__in=steps)}
+    assert threads == {"w1"}
