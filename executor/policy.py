@@ -10,7 +10,9 @@ from typing import Any
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
-from django.db.models import CharField, F, IntegerField, Q, Value
+from django.contrib.auth.models import Permission
+from django.db import connection
+from django.db.models import F, Q
 from django.utils import timezone
 
 from executor.models import (
@@ -115,41 +117,69 @@ def grants(
     *, users: Iterable[int], workspaces: Iterable[int], tools: Iterable[str]
 ) -> set[tuple[int, str, int | None, str]]:
     """Every grant of `users` on `workspaces` and `tools` that authorization asks about, in
-    one query (guardian would ask four per check: user and group, workspace and tool)."""
+    one query (guardian would ask four per check: user and group, workspace and tool).
+
+    Written as SQL: it runs on every post and every claim, and the ORM took several times
+    longer to build this union than the database took to answer it.
+    """
     users, workspaces, tools = list(users), list(workspaces), list(tools)
-    no_workspace = Value(None, output_field=IntegerField())
-    no_tool = Value("", output_field=CharField())
-    parts = [
-        WorkspaceUserObjectPermission.objects.filter(
-            user_id__in=users,
-            content_object_id__in=workspaces,
-            permission__codename__in=WORKSPACE_CODENAMES,
-        ).values_list("user_id", "permission__codename", "content_object_id", no_tool),
-        WorkspaceGroupObjectPermission.objects.filter(
-            group__user__in=users,
-            content_object_id__in=workspaces,
-            permission__codename__in=WORKSPACE_CODENAMES,
-        ).values_list("group__user", "permission__codename", "content_object_id", no_tool),
-        ToolUserObjectPermission.objects.filter(
-            user_id__in=users, content_object__name__in=tools, permission__codename="use_tool"
-        ).values_list("user_id", "permission__codename", no_workspace, "content_object__name"),
-        ToolGroupObjectPermission.objects.filter(
-            group__user__in=users,
-            content_object__name__in=tools,
-            permission__codename="use_tool",
-        ).values_list("group__user", "permission__codename", no_workspace, "content_object__name"),
-        Tool.objects.filter(name__in=tools, registered=True).values_list(
-            Value(0, output_field=IntegerField()),
-            Value(REGISTERED, output_field=CharField()),
-            no_workspace,
-            "name",
-        ),
-        get_user_model()
-        .objects.filter(pk__in=users, is_superuser=True, is_active=True)
-        .values_list("pk", Value(SUPERUSER, output_field=CharField()), no_workspace, no_tool),
-    ]
-    first, *rest = (part.order_by() for part in parts)
-    return {tuple(row) for row in first.union(*rest, all=True)}
+    if not users:
+        return set()
+    user_model = get_user_model()
+    tables = {
+        "wu": WorkspaceUserObjectPermission._meta.db_table,
+        "wg": WorkspaceGroupObjectPermission._meta.db_table,
+        "tu": ToolUserObjectPermission._meta.db_table,
+        "tg": ToolGroupObjectPermission._meta.db_table,
+        "tool": Tool._meta.db_table,
+        "user": user_model._meta.db_table,
+        "member": user_model.groups.through._meta.db_table,
+        "perm": Permission._meta.db_table,
+    }
+
+    def marks(values: list[Any]) -> str:
+        return ", ".join(["%s"] * len(values)) or "NULL"
+
+    u, w, t, c = marks(users), marks(workspaces), marks(tools), marks(list(WORKSPACE_CODENAMES))
+    # Table names come from the models, values are parameters: nothing from a request.
+    sql = (
+        "SELECT g.user_id, p.codename, g.content_object_id, '' "  # noqa: S608
+        "FROM {wu} g JOIN {perm} p ON p.id = g.permission_id "
+        f"WHERE g.user_id IN ({u}) AND g.content_object_id IN ({w}) AND p.codename IN ({c}) "
+        "UNION ALL "
+        "SELECT m.user_id, p.codename, g.content_object_id, '' "
+        "FROM {wg} g JOIN {perm} p ON p.id = g.permission_id "
+        "JOIN {member} m ON m.group_id = g.group_id "
+        f"WHERE m.user_id IN ({u}) AND g.content_object_id IN ({w}) AND p.codename IN ({c}) "
+        "UNION ALL "
+        "SELECT g.user_id, p.codename, NULL, t.name "
+        "FROM {tu} g JOIN {perm} p ON p.id = g.permission_id "
+        "JOIN {tool} t ON t.id = g.content_object_id "
+        f"WHERE g.user_id IN ({u}) AND t.name IN ({t}) AND p.codename = 'use_tool' "
+        "UNION ALL "
+        "SELECT m.user_id, p.codename, NULL, t.name "
+        "FROM {tg} g JOIN {perm} p ON p.id = g.permission_id "
+        "JOIN {member} m ON m.group_id = g.group_id JOIN {tool} t ON t.id = g.content_object_id "
+        f"WHERE m.user_id IN ({u}) AND t.name IN ({t}) AND p.codename = 'use_tool' "
+        "UNION ALL "
+        f"SELECT 0, '{REGISTERED}', NULL, t.name FROM {{tool}} t "
+        f"WHERE t.name IN ({t}) AND t.registered = %s "
+        "UNION ALL "
+        f"SELECT x.id, '{SUPERUSER}', NULL, '' FROM {{user}} x "
+        f"WHERE x.id IN ({u}) AND x.is_superuser = %s AND x.is_active = %s"
+    ).format(**{name: connection.ops.quote_name(table) for name, table in tables.items()})
+    codenames = list(WORKSPACE_CODENAMES)
+    params: list[Any] = [
+        *users, *workspaces, *codenames,
+        *users, *workspaces, *codenames,
+        *users, *tools,
+        *users, *tools,
+        *tools, True,
+        *users, True, True,
+    ]  # fmt: skip
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return {(row[0], row[1], row[2], row[3]) for row in cursor.fetchall()}
 
 
 def approval_problem(

@@ -8,6 +8,7 @@ import httpx
 from django.conf import settings
 
 from executor.models import ApprovalRule, Effect, Idempotency
+from executor.tools import outbound
 from executor.tools.base import (
     FailureClass,
     Invocation,
@@ -51,7 +52,7 @@ class HttpGet(Tool):
         if host not in settings.EXECUTOR_HTTP_ALLOWED_HOSTS:
             raise ToolError(FailureClass.POLICY_DENIED, f"host {host!r} is not allow-listed")
         try:
-            response = httpx.get(url, timeout=10, follow_redirects=False)
+            response = outbound.client().get(url, timeout=10, follow_redirects=False)
         except httpx.ConnectError as error:
             raise ToolError(FailureClass.TRANSIENT, f"connection failed: {error}") from error
         except httpx.TimeoutException as error:

@@ -12,6 +12,7 @@ import httpx
 from django.conf import settings
 
 from executor.models import ApprovalRule, Effect, Idempotency
+from executor.tools import outbound
 from executor.tools.base import (
     FailureClass,
     Invocation,
@@ -47,13 +48,10 @@ def _send(
     params: dict[str, str] | None = None,
     headers: dict[str, str] | None = None,
 ) -> httpx.Response:
-    """One request on a fresh connection; transport errors leave as classified ToolErrors.
-
-    A pooled keep-alive connection that the desk had already closed would fail only after
-    our request was written, and make a request that never arrived look ambiguous.
-    """
+    """One request on a fresh connection (see `outbound`); transport errors leave as
+    classified ToolErrors."""
     try:
-        return httpx.request(
+        return outbound.client().request(
             method, _url(path), json=json, params=params, headers=headers, timeout=_timeout()
         )
     except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as error:
@@ -195,7 +193,7 @@ class _CreateTicket(Tool):
     def effects_counted(self, operation_ids: list[str]) -> dict[str, int] | None:
         # The desk's own count of tickets per client reference (= our operation id).
         try:
-            response = httpx.get(_url("/stats"), timeout=_timeout())
+            response = outbound.client().get(_url("/stats"), timeout=_timeout())
             response.raise_for_status()
             by_ref = response.json()["by_client_ref"]
         except (httpx.HTTPError, ValueError, KeyError):
@@ -206,7 +204,7 @@ class _CreateTicket(Tool):
         # Sending our fence makes the desk refuse a slower request from an older lease
         # that has not committed yet, so `not_found` stays true after we answer it.
         try:
-            response = httpx.get(
+            response = outbound.client().get(
                 _url("/tickets"),
                 params={"client_ref": call.operation_id},
                 headers={"X-Fence-Token": str(call.fence)},
