@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from executor.drill import in_call_to
+from executor.drill.processes import in_call_to
 from executor.models import Step
 
 BASE_DIR = Path(__file__).resolve().parents[2]
