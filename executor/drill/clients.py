@@ -26,8 +26,10 @@ class DeskClient:
         response.raise_for_status()
         return dict(response.json())
 
-    def tickets(self) -> list[dict[str, Any]]:
-        response = self.client.get("/tickets")
+    def tickets(self, client_ref: Any = None) -> list[dict[str, Any]]:
+        """Every ticket, or those of one client reference."""
+        params = {} if client_ref is None else {"client_ref": str(client_ref)}
+        response = self.client.get("/tickets", params=params)
         response.raise_for_status()
         return list(response.json()["tickets"])
 
