@@ -9,18 +9,11 @@ a browser that `playwright install` would download.
 from __future__ import annotations
 
 import os
-import re
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, ClassVar
 
-import httpx
 import pytest
 from django.conf import settings as django_settings
 from django.contrib.auth.models import User
@@ -30,6 +23,8 @@ from playwright.sync_api import BrowserContext, Page, expect
 
 from console.celery import app as celery_app
 from executor import dispatch, engine, services
+from executor.drill.config import current_database_url
+from executor.drill.processes import DeskProcess
 from executor.models import Agent, ApprovalRule, Effect, Idempotency, Run, Step, Workspace
 from executor.models import Tool as ToolRow
 from executor.states import State
@@ -43,7 +38,8 @@ from executor.tools.base import (
     register,
     unregister,
 )
-from tests.recovery.conftest import database_url, use_queue
+from tests.recovery import processes
+from tests.recovery.conftest import own_queue
 
 os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # pytest-django live_server + Playwright
 
@@ -65,8 +61,6 @@ expect.set_options(timeout=20_000)
 DEADLINE_SECONDS = 60.0
 POLL_SECONDS = 0.05
 
-BASE_DIR = Path(__file__).resolve().parents[2]
-BIN_DIR = Path(sys.executable).parent
 # The in-process worker is named as a real one is: host:pid.
 WORKER = engine.worker_name()
 
@@ -112,15 +106,9 @@ def wait_until[T](
     probe: Callable[[], T], *, what: str, diagnose: Callable[[], str] | None = None
 ) -> T:
     """Polls `probe` until it returns something truthy; fails at the deadline."""
-    deadline = time.monotonic() + DEADLINE_SECONDS
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            detail = diagnose() if diagnose is not None else ""
-            pytest.fail(f"gave up after {DEADLINE_SECONDS:g}s waiting for {what}\n{detail}")
-        time.sleep(POLL_SECONDS)
+    return processes.wait_until(
+        probe, seconds=DEADLINE_SECONDS, what=what, diagnose=diagnose, tick=POLL_SECONDS
+    )
 
 
 # --- signing in ---------------------------------------------------------------------------
@@ -277,82 +265,26 @@ def blocked_step(agent: Agent, run: Run, key: str) -> Step:
 # --- the ticket desk, a real process ---------------------------------------------------------
 
 
-@dataclass
-class DeskProcess:
-    url: str
-    process: subprocess.Popen[bytes]
-    log_path: Path
-
-    def pause(self) -> None:
-        os.kill(self.process.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        os.kill(self.process.pid, signal.SIGCONT)
-
-
 @pytest.fixture(scope="session")
 def desk_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DeskProcess]:
-    tmp = tmp_path_factory.mktemp("browser-desk")
-    log_path = tmp / "desk.log"
-    db = str(tmp / "desk.sqlite3")
-    with log_path.open("wb") as log:
-        # Port 0: the desk binds a free port and prints it, so there is no race for one.
-        process = subprocess.Popen(
-            [sys.executable, "manage.py", "ticketdesk", "--port", "0", "--quiet", "--db", db],
-            cwd=BASE_DIR,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "STEPWARD_VAR_DIR": str(tmp), "PYTHONUNBUFFERED": "1"},
-        )
-
-    def listening_url() -> str | None:
-        if process.poll() is not None:
-            pytest.fail(f"the desk exited with {process.returncode}: {log_path.read_text()}")
-        match = re.search(r"listening on (http://\S+)", log_path.read_text())
-        return match.group(1) if match else None
-
-    url = wait_until(listening_url, what="the desk's listening line")
-    desk = DeskProcess(url=url, process=process, log_path=log_path)
+    desk = processes.start_desk(tmp_path_factory.mktemp("browser-desk"))
     try:
         yield desk
     finally:
-        desk.resume()
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=DEADLINE_SECONDS)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        desk.stop()
 
 
-@dataclass
-class Desk:
+class Desk(processes.Desk):
     """A client of the running desk: what the external system itself says."""
 
-    process: DeskProcess
-    client: httpx.Client = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.client = httpx.Client(base_url=self.process.url, timeout=30)
-
-    @property
-    def url(self) -> str:
-        return self.process.url
-
-    def tickets(self, client_ref: Any) -> list[dict[str, Any]]:
-        """GET /tickets?client_ref=…, as a person searching the desk would."""
-        response = self.client.get("/tickets", params={"client_ref": str(client_ref)})
-        assert response.status_code == 200, response.text
-        return list(response.json()["tickets"])
+    def __init__(self, process: DeskProcess) -> None:
+        super().__init__(process.url)
+        self.process = process
 
     def ticket(self, ticket_id: Any) -> dict[str, Any]:
         response = self.client.get(f"/tickets/{ticket_id}")
         assert response.status_code == 200, response.text
         return dict(response.json())
-
-    def faults(self, **faults: Any) -> None:
-        response = self.client.post("/faults", json=faults)
-        assert response.status_code == 200, response.text
 
 
 @pytest.fixture
@@ -363,7 +295,7 @@ def desk(desk_process: DeskProcess, settings: Any) -> Iterator[Desk]:
     client.faults(reset=True)
     yield client
     client.faults(reset=True)
-    client.client.close()
+    client.close()
 
 
 # --- a Celery worker, a real process -----------------------------------------------------------
@@ -373,63 +305,15 @@ def desk(desk_process: DeskProcess, settings: Any) -> Iterator[Desk]:
 def browser_queue() -> Iterator[str]:
     """A queue of this test process alone: a stranger's worker on the machine's default
     queue (one var/broker folder, one Redis list) would take our messages and skip them."""
-    configured = django_settings.CELERY_TASK_DEFAULT_QUEUE
-    own = f"{configured}-browser-{os.getpid()}"
-    use_queue(own)
-    celery_app.control.purge()
-    try:
+    with own_queue("browser") as own:
         yield own
-    finally:
-        celery_app.control.purge()
-        use_queue(configured)
 
 
-@dataclass
-class WorkerProcess:
+class WorkerProcess(processes.Worker):
     """`celery -A console worker --pool solo`: one process, so a crash ends the worker."""
 
-    env: dict[str, str]
-    log_path: Path
-    queue: str
-    process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> WorkerProcess:
-        argv = [str(BIN_DIR / "celery"), "-A", "console", "worker", "--pool", "solo"]
-        argv += ["-n", f"browser-{os.getpid()}@%h", "--loglevel", "INFO", "-Q", self.queue]
-        argv += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                argv, cwd=BASE_DIR, env=self.env, stdout=log, stderr=subprocess.STDOUT
-            )
-
-        def ready() -> bool:
-            if re.search(r"@\S+ ready\.", self.log()):
-                return True
-            if self.process is not None and self.process.poll() is not None:
-                pytest.fail(f"the worker ended while starting\n{self.log()}")
-            return False
-
-        wait_until(ready, what="the worker to be ready", diagnose=self.log)
-        return self
-
-    @property
-    def pid(self) -> int:
-        assert self.process is not None
-        return self.process.pid
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
     def wait_exit(self) -> int:
-        process = self.process
-        assert process is not None
-        wait_until(lambda: process.poll() is not None, what="the worker to end", diagnose=self.log)
-        return process.returncode
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(timeout=DEADLINE_SECONDS)
+        return self.wait_dead(seconds=DEADLINE_SECONDS, diagnose=self.log)
 
 
 @pytest.fixture
@@ -448,27 +332,28 @@ def worker(
     started: list[WorkerProcess] = []
 
     def start(**env: str) -> WorkerProcess:
-        full_env = {
+        base_env = {
             **os.environ,
             "CELERY_BROKER_URL": django_settings.CELERY_BROKER_URL,
             "CELERY_QUEUE": browser_queue,
             "STEPWARD_BROKER_DIR": str(django_settings.BROKER_DIR),
-            "DATABASE_URL": database_url(),
+            "DATABASE_URL": current_database_url(),
             "DJANGO_SETTINGS_MODULE": "console.settings",
             "TICKETDESK_URL": desk.url,
             "EXECUTOR_LEASE_SECONDS": "2",
             "EXECUTOR_ALLOW_FAULTS": "0",
-            "EXECUTOR_FAULTS": "",
             "PYTHONUNBUFFERED": "1",
-            **env,
         }
-        full_env.pop("EXECUTOR_FAULTS_SEED", None)
+        base_env.pop("EXECUTOR_FAULTS_SEED", None)
         process = WorkerProcess(
-            full_env, tmp_path / f"worker-{len(started) + 1}.log", browser_queue
+            f"browser-{os.getpid()}",
+            base_env,
+            tmp_path / f"worker-{len(started) + 1}.log",
+            browser_queue,
         )
         started.append(process)
-        return process.start()
+        return process.start(faults=env.pop("EXECUTOR_FAULTS", ""), **env)
 
     yield start
     for process in started:
-        process.stop()
+        process.kill()

@@ -14,8 +14,8 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 
 from executor import faults
+from executor.drill import broken
 from executor.models import DrillReport, Step
-from executor.tools import drill_broken
 
 SEED = 20261130
 
@@ -138,7 +138,7 @@ def test_broken_engine_is_refused_where_faults_are_not_allowed(
     monkeypatch.setenv("EXECUTOR_BREAK", "lookup")
 
     with pytest.raises(ImproperlyConfigured, match="EXECUTOR_ALLOW_FAULTS"):
-        drill_broken.requested_break()
+        broken.requested_break()
 
 
 @pytest.mark.django_db(transaction=True)

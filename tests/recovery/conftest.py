@@ -13,10 +13,10 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import pytest
 from django.conf import settings as django_settings
@@ -24,17 +24,16 @@ from django.db import connection
 
 from console.celery import app as celery_app
 from executor import services
+from executor.drill import invariants
+from executor.drill.config import current_database_url
+from executor.drill.processes import Child, DeskProcess
 from executor.models import Agent, Run, Step
-from executor.states import State
 from tests.recovery.processes import (
     Desk,
-    DeskProcess,
-    ManagedProcess,
     Sweeper,
     Worker,
     describe_ledger,
     start_desk,
-    stop_desk,
     wait_until,
 )
 
@@ -54,27 +53,27 @@ STALL_MARKER = "stepward-test-stall"
 UNRECOVERABLE = "Unrecoverable error"
 
 
-def database_url() -> str:
-    """The URL of the database this test runs on (the test database, not the main one)."""
-    db = connection.settings_dict
-    if connection.vendor == "sqlite":
-        return f"sqlite:///{Path(db['NAME']).resolve()}"
-    if connection.vendor == "postgresql":
-        auth = quote(db["USER"] or "", safe="")
-        if db.get("PASSWORD"):
-            auth += ":" + quote(db["PASSWORD"], safe="")
-        host = db.get("HOST") or "127.0.0.1"
-        port = db.get("PORT") or 5432
-        return f"postgres://{auth}@{host}:{port}/{db['NAME']}"
-    raise NotImplementedError(f"no worker URL for {connection.vendor}")
-
-
 def use_queue(queue: str) -> None:
     """Makes this process publish to `queue`, before or after its app first published."""
     django_settings.CELERY_TASK_DEFAULT_QUEUE = queue
     celery_app.conf.task_default_queue = queue
     for cached in ("queues", "default_queue", "router"):
         celery_app.amqp.__dict__.pop(cached, None)
+
+
+@contextmanager
+def own_queue(purpose: str) -> Iterator[str]:
+    """Publishes to a queue of this test process alone while the block runs; empties it
+    before and after, and then publishes where it did before."""
+    configured = django_settings.CELERY_TASK_DEFAULT_QUEUE
+    own = f"{configured}-{purpose}-{os.getpid()}"
+    use_queue(own)
+    celery_app.control.purge()
+    try:
+        yield own
+    finally:
+        celery_app.control.purge()
+        use_queue(configured)
 
 
 @pytest.fixture(scope="package")
@@ -86,18 +85,11 @@ def recovery_queue() -> Iterator[str]:
     list), and a stranger's worker would take our messages and skip them: these tests
     then use a queue of their own, emptied when they end.
     """
-    configured = django_settings.CELERY_TASK_DEFAULT_QUEUE
     if os.environ.get("CELERY_QUEUE"):
-        yield configured
+        yield django_settings.CELERY_TASK_DEFAULT_QUEUE
         return
-    own = f"{configured}-recovery-{os.getpid()}"
-    use_queue(own)
-    celery_app.control.purge()
-    try:
+    with own_queue("recovery") as own:
         yield own
-    finally:
-        celery_app.control.purge()
-        use_queue(configured)
 
 
 def broker_env() -> dict[str, str]:
@@ -128,7 +120,7 @@ def _no_broker_messages() -> None:
 def desk_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DeskProcess]:
     desk = start_desk(tmp_path_factory.mktemp("recovery-desk"))
     yield desk
-    stop_desk(desk)
+    desk.stop()
 
 
 @pytest.fixture
@@ -139,7 +131,7 @@ def desk(desk_process: DeskProcess, settings: Any) -> Iterator[Desk]:
     client.faults(reset=True)
     yield client
     client.faults(reset=True)
-    client.client.close()
+    client.close()
 
 
 @dataclass
@@ -149,7 +141,7 @@ class Cluster:
     desk: Desk
     env: dict[str, str]
     tmp: Path
-    processes: list[ManagedProcess] = field(default_factory=list)
+    processes: list[Child] = field(default_factory=list)
 
     @property
     def queue(self) -> str:
@@ -205,29 +197,14 @@ class Cluster:
         return self.wait_for(settled, what=f"step {step.key} to settle", seconds=seconds)
 
     def stop_all(self) -> None:
+        # SIGKILL: nothing a test started has anything left to finish.
         for process in self.processes:
-            process.stop()
-
-
-# Nothing more happens to a step in these states without a person.
-FINAL_STATES = frozenset(
-    {
-        State.COMPLETED,
-        State.FAILED,
-        State.DEAD,
-        State.BLOCKED,
-        State.REJECTED,
-        State.CANCELLED,
-        State.COMPENSATED,
-    }
-)
+            process.kill()
 
 
 def is_settled(step: Step) -> bool:
     """Final, or `unknown` with no lookup due: waiting visibly for a person."""
-    if step.state == State.UNKNOWN:
-        return step.not_before is None
-    return step.state in FINAL_STATES
+    return invariants.is_settled(step.state, step.not_before)
 
 
 @pytest.fixture
@@ -238,7 +215,7 @@ def cluster(
         **os.environ,
         **broker_env(),
         **FAST_EXECUTOR,
-        "DATABASE_URL": database_url(),
+        "DATABASE_URL": current_database_url(),
         "DJANGO_SETTINGS_MODULE": "console.settings",
         "TICKETDESK_URL": desk.url,
         "EXECUTOR_ALLOW_FAULTS": "1",

@@ -47,8 +47,9 @@ def test_a_step_published_to_rabbitmq_is_executed_by_a_worker_consuming_it(
     with dispatch.publishing(dispatch.dropping_publisher):
         step = post("echo", {"via": "rabbitmq"})
     # Celery lets a CELERY_BROKER_URL in the environment (Redis, in CI's PostgreSQL pass)
-    # override an app's broker, so the connection to RabbitMQ is named explicitly.
-    publisher = Celery(broker=amqp)
+    # override an app's broker, so the connection to RabbitMQ is named explicitly. Not
+    # the current app: the shared tasks would publish through it in every later test.
+    publisher = Celery(broker=amqp, set_as_current=False)
     try:
         with publisher.connection_for_write(amqp) as connection:
             publisher.send_task(

@@ -17,15 +17,15 @@ from executor.drill import (
     BREAKS,
     DEFAULT_DESK_FAULTS,
     DEFAULT_WORKER_FAULTS,
-    Drill,
     DrillConfig,
     DrillError,
     parse_desk_faults,
     parse_worker_faults,
     redact_url,
     same_database,
-    summary_lines,
 )
+from executor.drill.report import summary_lines
+from executor.drill.runner import Drill
 
 
 class Command(BaseCommand):

@@ -1,7 +1,7 @@
 """A deliberately broken engine for the drill's own test: proof that the drill can fail.
 
-Never imported by the application. The drill starts its worker and sweeper processes
-through `python -m executor.tools.drill_broken <celery ...|manage.py command ...>` only
+Never installed by the application. The drill starts its worker and sweeper processes
+through `python -m executor.drill.broken <celery ...|manage.py command ...>` only
 when asked to break something; that entry point installs the break and then runs the
 ordinary command. `EXECUTOR_BREAK=lookup` is honoured only with `EXECUTOR_ALLOW_FAULTS=1`.
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
+# What `--break` may name; imported by the drill's options, so that there is one list.
 BREAKS = ("lookup",)
 
 
@@ -60,7 +61,7 @@ def _install_lying_lookup() -> None:
 def main(argv: list[str]) -> None:
     """Installs the break, then runs `celery ...` or a `manage.py` command in this process."""
     if not argv:
-        raise SystemExit("usage: python -m executor.tools.drill_broken celery|COMMAND [ARGS...]")
+        raise SystemExit("usage: python -m executor.drill.broken celery|COMMAND [ARGS...]")
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "console.settings")
     import django
 
