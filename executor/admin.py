@@ -33,6 +33,7 @@ from executor.models import (
     Tool,
     Workspace,
 )
+from executor.redaction import redact
 from executor.states import NEEDS_REVIEW
 from executor.tools.base import get_tool
 
@@ -46,10 +47,12 @@ def changelist_link(model: type[Model], text: object, **filters: object) -> str:
     return format_html('<a href="{}?{}">{}</a>', url, query, text)
 
 
-def pretty_json(value: Any) -> str:
+def pretty_json(value: Any, fields: frozenset[str] = frozenset()) -> str:
+    """JSON for people to read, with anything that looks like a secret redacted (§15)."""
     if value is None:
         return "-"
-    text = json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, default=str)
+    shown = redact(value, fields=fields)
+    text = json.dumps(shown, indent=2, sort_keys=True, ensure_ascii=False, default=str)
     return format_html('<pre style="margin:0; white-space:pre-wrap">{}</pre>', text)
 
 
@@ -518,7 +521,11 @@ class StepAdmin(ReadOnlyAdmin):
 
     @admin.display(description="input")
     def pretty_input(self, step: Step) -> str:
-        return pretty_json(step.input)
+        try:
+            fields = get_tool(step.tool_id).redact
+        except LookupError:
+            fields = frozenset()
+        return pretty_json(step.input, fields=fields)
 
     @admin.display(description="result")
     def pretty_result(self, step: Step) -> str:

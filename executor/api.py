@@ -30,6 +30,7 @@ from ninja.types import DictStrAny
 from executor import selectors, services
 from executor.http import ERROR_CODES, error_response
 from executor.models import Agent, Run, Step, Tool, hash_token
+from executor.redaction import redact
 from executor.schemas import (
     MAX_INT,
     BudgetIn,
@@ -314,7 +315,8 @@ def step_out(step: Step) -> dict[str, Any]:
         "operation_id": step.operation_id,
         "attempt_count": step.attempt_count,
         "external_id": step.external_id,
-        "result": step.result,
+        # Stored redacted; redacted again here for anything written before that (§15).
+        "result": redact(step.result),
         "failure": step.failure,
         "created_at": step.created_at,
         "updated_at": step.updated_at,

@@ -26,6 +26,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from decimal import Decimal
+from functools import cached_property
 from typing import Any
 
 from django.conf import settings
@@ -46,6 +47,7 @@ from executor.models import (
     RunStatus,
     Step,
 )
+from executor.redaction import Redactor
 from executor.states import LEASED, State
 from executor.tools.base import (
     RETRYABLE,
@@ -115,6 +117,11 @@ class Claim:
     @property
     def fence(self) -> int:
         return self.step.fence
+
+    @cached_property
+    def redactor(self) -> Redactor:
+        """What of this call must never be stored or shown (DESIGN.md §15)."""
+        return self.tool.redactor(self.step.input)
 
 
 class Outcome:
@@ -404,7 +411,7 @@ def persist_light(
                     actor=executor_actor(c.worker),
                     reason="completed",
                     fence=c.fence,
-                    changes={"external_id": a.external_id[:200], "result": a.result},
+                    changes={"external_id": a.external_id[:200], "result": c.redactor(a.result)},
                     data={"external_id": a.external_id} if a.external_id else None,
                 )
                 for c, a in done
@@ -429,7 +436,7 @@ def persist_light(
                 },
                 per_row={
                     "response_evidence": {
-                        pk: response_evidence(a) for pk, (_, a, _) in responded.items()
+                        pk: response_evidence(c, a) for pk, (c, a, _) in responded.items()
                     },
                     "cost": {pk: cost for pk, (_, _, cost) in responded.items()},
                 },
@@ -441,7 +448,7 @@ def persist_light(
             ends[c.step.pk] = State.COMPLETED if c.step.pk in moved_ids else Outcome.FENCED_OUT
         for m in stale:
             c, a = next((c, a) for c, a in done if c.step.pk == m.step.pk)
-            record_fenced_out(c.attempt, "responded", **response_evidence(a))
+            record_fenced_out(c.attempt, "responded", **response_evidence(c, a))
         for c, error in failed:
             assert isinstance(error, BaseException)
             ends[c.step.pk] = handle_failure(c, error)
@@ -451,8 +458,12 @@ def persist_light(
     return ends
 
 
-def response_evidence(result: ToolResult) -> dict[str, Any]:
-    return {"external_id": result.external_id, **result.evidence}
+def response_evidence(claim: Claim, result: ToolResult) -> dict[str, Any]:
+    """What the tool answered, as evidence: redacted before it is written."""
+    evidence: dict[str, Any] = claim.redactor(
+        {"external_id": result.external_id, **result.evidence}
+    )
+    return evidence
 
 
 # --- write tools: one call per step, each outcome committed as it comes -------------------
@@ -555,7 +566,7 @@ def persist_response(claim: Claim, result: ToolResult) -> str:
     actor = executor_actor(claim.worker)
     now = timezone.now()
     cost = tool.cost(result)
-    evidence = response_evidence(result)
+    evidence = response_evidence(claim, result)
     try:
         with transaction.atomic():
             transitions.move(
@@ -564,7 +575,10 @@ def persist_response(claim: Claim, result: ToolResult) -> str:
                 actor=actor,
                 reason="response stored",
                 fence=claim.fence,
-                changes={"external_id": result.external_id[:200], "result": result.result},
+                changes={
+                    "external_id": result.external_id[:200],
+                    "result": claim.redactor(result.result),
+                },
                 data={"external_id": result.external_id} if result.external_id else None,
                 now=now,
             )
@@ -621,9 +635,9 @@ def handle_failure(claim: Claim, error: BaseException) -> str:
     step, attempt, tool = claim.step, claim.attempt, claim.tool
     actor = executor_actor(claim.worker)
     failure = tool.classify(error)
-    message = f"{type(error).__name__}: {error}"[:MAX_MESSAGE]
+    message = claim.redactor.text(f"{type(error).__name__}: {error}")[:MAX_MESSAGE]
     retry_after = error.retry_after if isinstance(error, ToolError) else None
-    evidence = dict(error.evidence) if isinstance(error, ToolError) else {}
+    evidence = claim.redactor(dict(error.evidence)) if isinstance(error, ToolError) else {}
     now = timezone.now()
 
     if failure == FailureClass.AMBIGUOUS and safe_to_repeat(tool):

@@ -139,13 +139,17 @@ def reconcile(step_id: Any, *, actor: str = "sweeper", note: str = "") -> str:
         # Nothing this process can ask: stop scheduling lookups; a person has it.
         Step.objects.filter(pk=step.pk, version=step.version).update(not_before=None)
         return Outcome.SKIPPED
+    redactor = tool.redactor(step.input)
     try:
         # One fence above the last attempt's: a tool that checks fences then refuses a
         # slow request of that attempt arriving after our "not found" (DESIGN.md §7).
         found = tool.lookup(invocation(step, step.fence + 1, step.attempt_count))
     except Exception as error:  # noqa: BLE001 - a failed lookup tells nothing
-        logger.warning("lookup of %s failed: %s", step.pk, error)
-        found = Lookup(LookupOutcome.CANNOT_TELL, evidence={"error": str(error)[:500]})
+        why = redactor.text(str(error))[:500]
+        logger.warning("lookup of %s failed: %s", step.pk, why)
+        found = Lookup(LookupOutcome.CANNOT_TELL, evidence={"error": why})
+    found.result = redactor(found.result)
+    found.evidence = redactor(found.evidence)
     now = timezone.now()
     try:
         with transaction.atomic():

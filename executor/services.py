@@ -270,7 +270,12 @@ def _refused(error: ServiceError, index: int | None) -> ServiceError:
     """Names the batch item an error is about (`details.index`); a single post has none."""
     if index is None:
         return error
-    details = error.details if isinstance(error.details, dict) else {"detail": error.details}
+    if error.details is None:
+        details: dict[str, Any] = {}
+    elif isinstance(error.details, dict):
+        details = error.details
+    else:
+        details = {"detail": error.details}
     error.details = {"index": index, **details}
     error.message = f"item {index}: {error.message}"
     error.args = (error.message,)
@@ -376,7 +381,7 @@ def _steps_post_once(
             tool_id=request.tool,
             input=request.input,
             input_hash=input_hash,
-            input_summary=(request.summary or tool.summarize(request.input))[:2000],
+            input_summary=summary_of(request, tool),
             depends_on=depends_on,
         )
         new.append((step, tool, _posted_history(step, tool, known, seen, actor=actor, now=now)))
@@ -395,6 +400,13 @@ def _steps_post_once(
         )
         dispatch.execute_many([step.pk for step, _, _ in new if step.state == State.PENDING])
     return steps, created
+
+
+def summary_of(request: StepRequest, tool: ToolContract) -> str:
+    """What reviewers read of a call: the agent's summary or the input, never a secret."""
+    if request.summary:
+        return tool.redactor(request.input).text(request.summary)[:2000]
+    return tool.summarize(request.input)[:2000]
 
 
 def _check_new_step(

@@ -24,6 +24,7 @@ from django.utils import timezone
 
 from executor.bulk import update_rows
 from executor.models import Event, Step, StepCounter
+from executor.redaction import redact
 from executor.states import LEASED, State, is_allowed
 
 
@@ -83,7 +84,8 @@ def build_event(
         to_state=target,
         actor=actor,
         reason=reason,
-        data=data or {},
+        # Secrets never reach the audit trail (DESIGN.md §15).
+        data=redact(data or {}),
         created_at=at,
         prev_hash=step.head_hash,
     )

@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             r"executor\.client",
             r"executor\.ticketdesk",
             r"executor\.dispatch",
+            r"executor\.redaction",
             r"executor\.tools",
             r"executor\.management(\.commands)?",
             r"console",

@@ -10,6 +10,8 @@ from django import template
 from django.utils import timezone
 from django.utils.html import format_html
 
+from executor.redaction import redact
+
 register = template.Library()
 
 UNITS = ((86400 * 365, "y"), (86400 * 30, "mo"), (86400, "d"), (3600, "h"), (60, "min"))
@@ -55,9 +57,10 @@ def percent_of(value: Any, limit: Any) -> str:
 
 @register.filter
 def pretty_json(value: Any) -> str:
+    """JSON for people to read, with anything that looks like a secret redacted (§15)."""
     if value in (None, "", {}, []):
         return ""
-    return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, default=str)
+    return json.dumps(redact(value), indent=2, sort_keys=True, ensure_ascii=False, default=str)
 
 
 @register.filter

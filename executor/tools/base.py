@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import jsonschema
 
 from executor.models import ApprovalRule, Effect, Idempotency
+from executor.redaction import Redactor, is_secret_key
 
 
 class FailureClass(enum.StrEnum):
@@ -118,8 +119,10 @@ class Tool:
     retry: ClassVar[RetryPolicy]
     # JSON Schema of the input object.
     input_schema: ClassVar[dict[str, Any]]
-    # Input fields never shown, summarized or copied into evidence.
+    # Input fields never shown, summarized or copied into evidence, at any nesting level;
+    # besides them, every key that looks like a secret is redacted (executor/redaction.py).
     redact: ClassVar[frozenset[str]] = frozenset()
+    _validator: ClassVar[jsonschema.Draft202012Validator | None] = None
     # Only an authoritative lookup's `not_found` proves that nothing happened.
     lookup_authoritative: ClassVar[bool] = False
     # Whether invoke() checks the fence token it is given (DESIGN.md §7).
@@ -192,29 +195,45 @@ class Tool:
         return hashlib.sha256(json.dumps(declared, sort_keys=True).encode()).hexdigest()[:16]
 
     @classmethod
+    def validator(cls) -> jsonschema.Draft202012Validator:
+        """The input schema's validator, built once per tool class."""
+        built = cls.__dict__.get("_validator")
+        if built is None or built.schema is not cls.input_schema:
+            built = jsonschema.Draft202012Validator(cls.input_schema)
+            cls._validator = built
+        return built
+
+    @classmethod
     def validate_input(cls, value: Any) -> list[str]:
         """Returns the input's schema errors, empty when it is valid."""
-        validator = jsonschema.Draft202012Validator(cls.input_schema)
+        redactor = cls.redactor(value)
         errors = []
-        for error in sorted(validator.iter_errors(value), key=lambda e: [str(p) for p in e.path]):
+        for error in sorted(
+            cls.validator().iter_errors(value), key=lambda e: [str(p) for p in e.path]
+        ):
             path = [str(p) for p in error.absolute_path]
             # jsonschema quotes the offending value: never echo a secret back.
             message = (
                 f"does not fit the schema ({error.validator})"
-                if path and path[0] in cls.redact
-                else error.message
+                if any(is_secret_key(part, cls.redact) for part in path)
+                else redactor.text(error.message)
             )
             errors.append(f"{'/'.join(path) or '(input)'}: {message}")
         return errors
 
     @classmethod
+    def redactor(cls, value: Any) -> Redactor:
+        """What must not be shown of a call with this input (DESIGN.md §15)."""
+        return Redactor.for_input(value, cls.redact)
+
+    @classmethod
     def redacted(cls, value: dict[str, Any]) -> dict[str, Any]:
-        return {k: ("[redacted]" if k in cls.redact else v) for k, v in value.items()}
+        redacted: dict[str, Any] = cls.redactor(value)(value)
+        return redacted
 
     @classmethod
     def summarize(cls, value: dict[str, Any], limit: int = 500) -> str:
-        shown = {k: v for k, v in value.items() if k not in cls.redact}
-        text = json.dumps(shown, sort_keys=True, ensure_ascii=False, default=str)
+        text = json.dumps(cls.redacted(value), sort_keys=True, ensure_ascii=False, default=str)
         return text if len(text) <= limit else text[: limit - 1] + "…"
 
 

@@ -47,7 +47,8 @@ def test_the_page_shows_the_input_summary_and_never_a_redacted_field(
     body = response.content.decode()
     assert "ada" in read(response).text
     assert "hunter2-secret" not in body
-    assert "password" not in body
+    # DESIGN.md §15: "[redacted]" stands in place of the value.
+    assert "[redacted]" in read(response).text
 
 
 def test_the_tool_declarations_are_shown(bob: Client, agent: Agent, run: Run) -> None:
