@@ -215,6 +215,8 @@ EXECUTOR_BATCH_SIZE = env_int("EXECUTOR_BATCH_SIZE", 100)
 EXECUTOR_WRITE_POOL = env_int("EXECUTOR_WRITE_POOL", 8)
 # ...and claims at most this many before it acknowledges its message and looks for others.
 EXECUTOR_DRAIN_LIMIT = env_int("EXECUTOR_DRAIN_LIMIT", 5000)
+# How often the sweeper signs a checkpoint of the ledger's chains (DESIGN.md §15).
+EXECUTOR_CHECKPOINT_SECONDS = float(os.environ.get("EXECUTOR_CHECKPOINT_SECONDS", "60"))
 # A due step untouched this long is assumed to have lost its message and is resent.
 EXECUTOR_REDISPATCH_AFTER = float(os.environ.get("EXECUTOR_REDISPATCH_AFTER", "10"))
 CELERY_BEAT_SCHEDULE = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import secrets
 import uuid
 from decimal import Decimal
@@ -14,6 +15,39 @@ from django.db.models import Q
 from guardian.models import GroupObjectPermissionBase, UserObjectPermissionBase
 
 from executor.states import State
+
+# Integers beyond this are compared as the floats JSON stores them as (jsonb normalizes).
+EXACT_INTEGERS = 2**53
+
+
+def comparable(value: Any) -> Any:
+    """`value` in the form it has however a database stored and returned it, for hashing:
+    PostgreSQL's jsonb gives 1.0 back as 1.0, but 1e100 as a 101-digit integer."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int):
+        return value if abs(value) <= EXACT_INTEGERS else repr(float(value))
+    if isinstance(value, float):
+        if value.is_integer() and abs(value) <= EXACT_INTEGERS:
+            return int(value)
+        return repr(value)
+    if isinstance(value, dict):
+        return {str(k): comparable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [comparable(v) for v in value]
+    return str(value)
+
+
+def canonical_hash(value: Any) -> str:
+    """SHA-256 of `value`'s canonical JSON (sorted keys, numbers as stored)."""
+    text = json.dumps(comparable(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def call_hash(tool: str, input: Any) -> str:
+    """What identifies a call: its tool and its input (a step's `input_hash`)."""
+    return canonical_hash({"tool": tool, "input": input})
+
 
 WORKSPACE_PERMISSIONS = (
     ("submit_steps", "Submit steps (agents)"),
@@ -348,6 +382,9 @@ class Attempt(models.Model):
         return f"attempt {self.number} of {self.step_id}"
 
 
+EVENT_FORMAT = 2
+
+
 class Event(models.Model):
     """One state change, append-only, hash-chained per step.
 
@@ -366,6 +403,12 @@ class Event(models.Model):
     created_at = models.DateTimeField()
     prev_hash = models.CharField(max_length=64, blank=True)
     hash = models.CharField(max_length=64)
+    # A digest of what the step was right after this move (its run, key, tool, input hash,
+    # state, external id and result): the hash covers it, so an edit of the step row shows.
+    step_digest = models.CharField(max_length=64, blank=True)
+    # What the hash covers: 1 for events written before it covered the run and the
+    # step_digest (DESIGN.md §15), 2 since.
+    format = models.PositiveSmallIntegerField(default=EVENT_FORMAT)
 
     class Meta:
         ordering = ["step", "seq"]
@@ -378,7 +421,8 @@ class Event(models.Model):
         return f"{self.from_state or '∅'} → {self.to_state} by {self.actor}"
 
     def content(self) -> dict[str, Any]:
-        return {
+        """What the event's hash covers."""
+        content = {
             "step": str(self.step_id),
             "seq": self.seq,
             "from": self.from_state,
@@ -389,6 +433,10 @@ class Event(models.Model):
             "at": self.created_at.isoformat(),
             "prev": self.prev_hash,
         }
+        if self.format >= 2:
+            content["run"] = str(self.run_id)
+            content["step_digest"] = self.step_digest
+        return content
 
 
 class Approval(models.Model):
@@ -450,6 +498,39 @@ class DrillReport(models.Model):
 
     def __str__(self) -> str:
         return f"drill {self.started_at:%Y-%m-%d %H:%M} {'passed' if self.passed else 'FAILED'}"
+
+
+class Checkpoint(models.Model):
+    """A signed record of where steps' chains stood (DESIGN.md §15): an anchor for them.
+
+    Each lists `[step, run, version, head_hash]` for every step that changed since the one
+    before (all steps in the first), and is chained to the one before and keyed like the
+    events. Deleting a listed step, cutting its chain below the listed version or moving it
+    to another run then shows, however consistently the rest was rewritten.
+    """
+
+    seq = models.PositiveIntegerField(unique=True)
+    taken_at = models.DateTimeField()
+    # Steps updated at or after this were listed (None: every step).
+    since = models.DateTimeField(null=True, blank=True)
+    heads = models.JSONField(default=list)
+    prev_hash = models.CharField(max_length=64, blank=True)
+    hash = models.CharField(max_length=64)
+
+    class Meta:
+        ordering = ["seq"]
+
+    def __str__(self) -> str:
+        return f"checkpoint {self.seq} at {self.taken_at:%Y-%m-%d %H:%M:%S}"
+
+    def content(self) -> dict[str, Any]:
+        return {
+            "seq": self.seq,
+            "taken_at": self.taken_at.isoformat(),
+            "since": self.since.isoformat() if self.since else None,
+            "heads": self.heads,
+            "prev": self.prev_hash,
+        }
 
 
 class SweeperLease(models.Model):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -33,6 +31,8 @@ from executor.models import (
     Step,
     Tool,
     Workspace,
+    call_hash,
+    canonical_hash,
 )
 from executor.states import State
 from executor.tools.base import Tool as ToolContract
@@ -63,11 +63,6 @@ class Invalid(ServiceError):
 
 
 AGENT_NAME = re.compile(r"[A-Za-z0-9._-]{1,60}")
-
-
-def canonical_hash(value: Any) -> str:
-    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def agent_actor(agent: Agent) -> str:
@@ -359,7 +354,7 @@ def _steps_post_once(
     for index, (request, tool) in enumerate(zip(requests, tools, strict=True)):
         where = index if batch else None
         depends_on = list(request.depends_on)
-        input_hash = canonical_hash({"tool": request.tool, "input": request.input})
+        input_hash = call_hash(request.tool, request.input)
         if request.key in seen:
             raise _refused(Invalid("the batch names this key twice", {"key": request.key}), where)
         existing = known.get(request.key)
@@ -824,7 +819,7 @@ def compensation_request(*, step: Step, user: User, version: int, reason: str) -
         key=key[:200],
         tool_id=comp_tool.name,
         input=comp_input,
-        input_hash=canonical_hash({"tool": comp_tool.name, "input": comp_input}),
+        input_hash=call_hash(comp_tool.name, comp_input),
         input_summary=f"undo {step.key}: " + comp_tool.summarize(comp_input),
         compensates=step,
     )

@@ -16,7 +16,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
-from executor import dispatch, engine, policy, progress, recovery
+from executor import dispatch, engine, ledger, policy, progress, recovery
 from executor.models import Run, RunStatus, Step, SweeperLease
 from executor.states import State
 
@@ -34,6 +34,7 @@ class SweepReport:
     promoted: int = 0
     runs_paused: int = 0
     cancelled: int = 0
+    checkpoints: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -132,10 +133,15 @@ def sweep_once(*, owner: str) -> SweepReport:
         updated_at__lte=now - grace,
         run__status=RunStatus.OPEN,
     ).values_list("pk", flat=True)[: BATCH * 4]
+    lost_ids = list(lost)
     with transaction.atomic():
-        for step_id in lost:
-            dispatch.execute(step_id)
-            report.redispatched += 1
+        dispatch.execute_many(lost_ids)
+    report.redispatched += len(lost_ids)
+
+    # The anchor of the ledger's tamper evidence (DESIGN.md §15): where every chain stands.
+    every = timedelta(seconds=settings.EXECUTOR_CHECKPOINT_SECONDS)
+    if ledger.checkpoint_due(every=every, now=now) and ledger.checkpoint_take(now=now):
+        report.checkpoints += 1
 
     if any(asdict(report).values()):
         logger.info("sweep: %s", report.as_dict())

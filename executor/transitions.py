@@ -23,7 +23,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from executor.bulk import update_rows
-from executor.models import Event, Step, StepCounter
+from executor.models import EVENT_FORMAT, Event, Step, StepCounter, comparable
 from executor.redaction import redact
 from executor.states import LEASED, State, is_allowed
 
@@ -65,6 +65,45 @@ def ledger_key() -> bytes:
     return key.encode()
 
 
+def step_digest(
+    *,
+    run_id: Any,
+    key: str,
+    tool: str,
+    input_hash: str,
+    state: str,
+    external_id: str,
+    result: Any,
+) -> str:
+    """A digest of what a step is (DESIGN.md §15), which each Event's hash covers."""
+    result_text = json.dumps(comparable(result), sort_keys=True, separators=(",", ":"))
+    snapshot = {
+        "run": str(run_id),
+        "key": key,
+        "tool": tool,
+        "input_hash": input_hash,
+        "state": str(state),
+        "external_id": external_id,
+        "result": hashlib.sha256(result_text.encode()).hexdigest(),
+    }
+    text = json.dumps(snapshot, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def digest_after(step: Step, state: str, changes: dict[str, Any] | None = None) -> str:
+    """The step's digest as it is once `changes` are written and it is in `state`."""
+    changes = changes or {}
+    return step_digest(
+        run_id=step.run_id,
+        key=step.key,
+        tool=step.tool_id,
+        input_hash=step.input_hash,
+        state=state,
+        external_id=changes.get("external_id", step.external_id),
+        result=changes.get("result", step.result),
+    )
+
+
 def build_event(
     step: Step,
     *,
@@ -75,7 +114,9 @@ def build_event(
     reason: str,
     data: dict[str, Any] | None,
     at: datetime,
+    changes: dict[str, Any] | None = None,
 ) -> Event:
+    """The Event of a move of `step` to `target` writing `changes`, hashed and chained."""
     event = Event(
         run_id=step.run_id,
         step_id=step.pk,
@@ -88,6 +129,8 @@ def build_event(
         data=redact(data or {}),
         created_at=at,
         prev_hash=step.head_hash,
+        step_digest=digest_after(step, target, changes),
+        format=EVENT_FORMAT,
     )
     event.hash = event_hash(event.content())
     return event
@@ -129,6 +172,7 @@ def move(
         reason=reason,
         data=data,
         at=now,
+        changes=changes,
     )
     guard: dict[str, Any] = {"pk": step.pk, "state": source, "version": step.version}
     if fence is not None:
@@ -238,8 +282,9 @@ def move_many(
             reason=m.reason,
             data=m.data,
             at=now,
+            changes=changes,
         )
-        for m, _ in fresh
+        for m, changes in fresh
     }
     if fresh:
         # One UPDATE per set of changed fields (a batch has one or two): a field a move

@@ -10,7 +10,7 @@ from typing import Any
 from django.utils import timezone
 
 from executor import services, transitions
-from executor.models import Event, Run, Step, Tool
+from executor.models import Event, Run, Step, Tool, call_hash
 from executor.states import ALLOWED, LEASED, State
 
 TOOL = "echo"
@@ -68,7 +68,7 @@ def new_step(run: Run, *, key: str | None = None) -> Step:
         key=key or f"step-{uuid.uuid4().hex[:12]}",
         tool_id=TOOL,
         input={"message": "hello"},
-        input_hash="0" * 64,
+        input_hash=call_hash(TOOL, {"message": "hello"}),
     )
     return transitions.insert(step, actor="agent:test", reason="posted by a test")
 

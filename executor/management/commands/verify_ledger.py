@@ -1,4 +1,4 @@
-"""`manage.py verify_ledger [--step UUID]`: checks every step's Event hash chain."""
+"""`manage.py verify_ledger [--step UUID] [--checkpoint]`: the ledger's tamper evidence."""
 
 from __future__ import annotations
 
@@ -7,27 +7,34 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from executor.ledger import DEFAULT_CHUNK_SIZE, verify_chain
+from executor import ledger
 from executor.models import Step
 
 
 class Command(BaseCommand):
     help = (
-        "Verifies the hash chain of each step's events and reports the first broken link of "
-        "every broken step. Exits non-zero when anything is broken."
+        "Verifies every step's event hash chain against its step row, the runs' numbering "
+        "and the signed checkpoints (DESIGN.md §15); names each break and exits non-zero "
+        "when anything is broken. --checkpoint then signs a new checkpoint."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--step", help="verify only this step (its UUID)")
+        parser.add_argument("--step", help="verify only this step's chain (its UUID)")
         parser.add_argument(
             "--chunk-size",
             type=int,
-            default=DEFAULT_CHUNK_SIZE,
-            help=f"steps read per round trip (default {DEFAULT_CHUNK_SIZE})",
+            default=ledger.DEFAULT_CHUNK_SIZE,
+            help=f"steps read per round trip (default {ledger.DEFAULT_CHUNK_SIZE})",
+        )
+        parser.add_argument(
+            "--checkpoint",
+            action="store_true",
+            help="after a clean verification, sign a checkpoint of where every chain stands",
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        step_ids = None
+        if options["chunk_size"] < 1:
+            raise CommandError("--chunk-size must be at least 1")
         if options["step"]:
             try:
                 step_id = uuid.UUID(options["step"])
@@ -35,15 +42,18 @@ class Command(BaseCommand):
                 raise CommandError(f"--step: {options['step']!r} is not a UUID") from None
             if not Step.objects.filter(pk=step_id).exists():
                 raise CommandError(f"no step {step_id}")
-            step_ids = [step_id]
-        if options["chunk_size"] < 1:
-            raise CommandError("--chunk-size must be at least 1")
-
-        report = verify_chain(step_ids=step_ids, chunk_size=options["chunk_size"])
+            report = ledger.verify_chain(step_ids=[step_id], chunk_size=options["chunk_size"])
+        else:
+            report = ledger.verify_ledger(chunk_size=options["chunk_size"])
         for finding in report.findings:
             self.stdout.write(self.style.ERROR(str(finding)))
         summary = report.summary()
         if not report.ok:
             self.stdout.write(summary)
-            raise CommandError(f"the ledger is broken: {len(report.findings)} step(s) failed")
+            raise CommandError(f"the ledger is broken: {len(report.findings)} break(s) found")
         self.stdout.write(self.style.SUCCESS(summary))
+        if options["step"]:
+            return
+        if options["checkpoint"]:
+            report.newest_checkpoint = ledger.checkpoint_take() or report.newest_checkpoint
+        self.stdout.write(ledger.describe(report.newest_checkpoint))
