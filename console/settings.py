@@ -163,6 +163,8 @@ API_MAX_WAIT_SECONDS = 30
 # --- the executor ---------------------------------------------------------------------
 # Modules whose import registers tools: the built-ins, then a deployment's own (API.md).
 STEPWARD_TOOLS = env_list("STEPWARD_TOOLS", "executor.tools.builtins")
+# How often a process looks whether the HTTP tools defined as data changed (seconds).
+EXECUTOR_TOOL_REFRESH_SECONDS = float(os.environ.get("EXECUTOR_TOOL_REFRESH_SECONDS", "2"))
 EXECUTOR_LEASE_SECONDS = env_int("EXECUTOR_LEASE_SECONDS", 60)
 # Keys the events' hash chain. Keep it stable: changing it makes verify_ledger report every
 # event written before the change. Defaults to a value derived from SECRET_KEY.

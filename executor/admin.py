@@ -20,7 +20,7 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString
 from guardian.admin import GuardedModelAdmin
 
-from executor import services
+from executor import policy, services
 from executor.ledger import verify_chain
 from executor.models import (
     Agent,
@@ -28,6 +28,7 @@ from executor.models import (
     Attempt,
     DrillReport,
     Event,
+    HttpToolSpec,
     Run,
     Step,
     Tool,
@@ -35,7 +36,8 @@ from executor.models import (
 )
 from executor.redaction import redact
 from executor.states import NEEDS_REVIEW
-from executor.tools.base import get_tool
+from executor.tools import http as http_tools
+from executor.tools.base import all_tools, get_tool
 
 # --- helpers ----------------------------------------------------------------------------
 
@@ -212,15 +214,134 @@ class ToolAdmin(GuardedModelAdmin):
         return tool.compensation or "irreversible"
 
 
+class HttpToolSpecForm(forms.ModelForm):
+    """The fields of API.md's [[tool]] table, checked exactly as `load_tools` checks them."""
+
+    class Meta:
+        model = HttpToolSpec
+        fields = [
+            "name",
+            "description",
+            "effect",
+            "method",
+            "url",
+            "headers",
+            "idempotency",
+            "idempotency_header",
+            "lookup_url",
+            "lookup_found",
+            "external_id",
+            "approval",
+            "compensation",
+            "input_schema",
+            "retry",
+            "redact",
+            "timeout_seconds",
+        ]
+        help_texts = {
+            "headers": "A JSON object; values may read the environment at call time: "
+            '{"Authorization": "Bearer ${CRM_TOKEN}"}. The secret itself is never stored.',
+            "url": "Its host must be in EXECUTOR_HTTP_ALLOWED_HOSTS. {field} takes the "
+            "input's field.",
+            "lookup_url": "Optional: asks whether the operation happened; must hold "
+            "{operation_id}.",
+            "external_id": "The answer's JSON field that names the effect.",
+            "retry": 'e.g. {"max_attempts": 5, "initial_interval": 1.0, "deadline": 600}',
+        }
+
+    def clean(self) -> dict[str, Any]:
+        cleaned: dict[str, Any] = super().clean() or {}
+        table = {
+            word: cleaned[field]
+            for word, field in http_tools.FIELDS.items()
+            if field in cleaned and cleaned[field] not in ("", None, {}, [])
+        }
+        table.setdefault("name", cleaned.get("name", ""))
+        others = {t.name for t in all_tools()} - {cleaned.get("name")}
+        for problem in http_tools.spec_errors(table, tools=others | {cleaned.get("name", "")}):
+            self.add_error(None, problem)
+        if self.instance.pk is None and cleaned.get("name") in http_tools.python_tool_names():
+            self.add_error("name", "a tool of that name is defined in code")
+        return cleaned
+
+
+@admin.register(HttpToolSpec)
+class HttpToolSpecAdmin(admin.ModelAdmin):
+    """HTTP tools as data: the same records `manage.py load_tools` writes (API.md)."""
+
+    form = HttpToolSpecForm
+    list_display = ["name", "effect", "method", "url", "idempotency", "approval", "updated_at"]
+    list_filter = ["effect", "method", "idempotency", "approval"]
+    search_fields = ["name", "url", "description"]
+
+    def save_model(self, request: HttpRequest, obj: HttpToolSpec, form: Any, change: bool) -> None:
+        super().save_model(request, obj, form, change)
+        # Registered here at once (other processes within EXECUTOR_TOOL_REFRESH_SECONDS),
+        # and mirrored so that use_tool can be granted on it.
+        services.tools_sync()
+        if change:
+            messages.info(
+                request,
+                "A new policy version: approvals of the tool's earlier version no longer "
+                "authorize anything.",
+            )
+
+    def delete_model(self, request: HttpRequest, obj: HttpToolSpec) -> None:
+        super().delete_model(request, obj)
+        services.tools_sync()
+
+
 # --- agents -----------------------------------------------------------------------------
+
+
+def tool_choices() -> QuerySet[Tool]:
+    return Tool.objects.filter(registered=True).order_by("name")
 
 
 class AgentAddForm(forms.ModelForm):
     """Only what an admin chooses; the user, permissions and token come from the service."""
 
+    tools = forms.ModelMultipleChoiceField(
+        queryset=Tool.objects.none(),
+        required=False,
+        widget=forms.CheckboxSelectMultiple,
+        help_text="The tools this agent may use (use_tool). Leave all unticked for every tool.",
+    )
+
     class Meta:
         model = Agent
         fields = ["workspace", "name"]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["tools"].queryset = tool_choices()  # type: ignore[attr-defined]
+
+
+class AgentChangeForm(forms.ModelForm):
+    tools = forms.ModelMultipleChoiceField(
+        queryset=Tool.objects.none(),
+        required=False,
+        widget=forms.CheckboxSelectMultiple,
+        help_text="The tools this agent may use (use_tool), checked again at every claim.",
+    )
+
+    class Meta:
+        model = Agent
+        fields = ["is_active"]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        field = self.fields["tools"]
+        field.queryset = tool_choices()  # type: ignore[attr-defined]
+        if self.instance.pk:
+            usable = policy.grants(
+                users=[self.instance.user_id],
+                workspaces=[],
+                tools=list(tool_choices().values_list("name", flat=True)),
+            )
+            field.initial = tool_choices().filter(
+                name__in={tool for _, codename, _, tool in usable if codename == "use_tool"}
+            )
 
 
 def show_token_once(request: HttpRequest, agent: Agent, token: str, verb: str) -> None:
@@ -253,7 +374,7 @@ class AgentAdmin(admin.ModelAdmin):
     autocomplete_fields = ["workspace"]
     actions = ["rotate_token", "deactivate", "activate"]
     fieldsets = [
-        (None, {"fields": ["workspace", "name", "is_active"]}),
+        (None, {"fields": ["workspace", "name", "is_active", "tools"]}),
         (
             "Identity",
             {
@@ -266,10 +387,11 @@ class AgentAdmin(admin.ModelAdmin):
         (
             None,
             {
-                "fields": ["workspace", "name"],
+                "fields": ["workspace", "name", "tools"],
                 "description": (
                     "Saving creates the agent's user with submit_steps on the workspace and "
-                    "use_tool on every tool, and shows its token once."
+                    "use_tool on the tools ticked (every tool when none is), and shows its "
+                    "token once."
                 ),
             },
         )
@@ -291,15 +413,18 @@ class AgentAdmin(admin.ModelAdmin):
     def get_form(
         self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
     ) -> Any:
-        if obj is None:
-            kwargs["form"] = AgentAddForm
+        kwargs["form"] = AgentAddForm if obj is None else AgentChangeForm
         return super().get_form(request, obj, change=change, **kwargs)
 
     def save_model(self, request: HttpRequest, obj: Agent, form: Any, change: bool) -> None:
+        chosen = [tool.name for tool in form.cleaned_data.get("tools") or []]
         if change:
-            super().save_model(request, obj, form, change)
+            services.agent_set_active(agent=obj, active=obj.is_active)
+            services.agent_set_tools(agent=obj, tools=chosen)
             return
-        agent, token = services.agent_create(workspace=obj.workspace, name=obj.name)
+        agent, token = services.agent_create(
+            workspace=obj.workspace, name=obj.name, tools=chosen or None
+        )
         # The admin goes on with `obj` (history entry, redirect): make it the saved agent.
         for field in Agent._meta.concrete_fields:
             setattr(obj, field.attname, getattr(agent, field.attname))
@@ -330,13 +455,17 @@ class AgentAdmin(admin.ModelAdmin):
         description="Deactivate (its steps stop at their next claim)", permissions=["change"]
     )
     def deactivate(self, request: HttpRequest, queryset: QuerySet[Agent]) -> None:
-        changed = queryset.filter(is_active=True).update(is_active=False)
-        self.message_user(request, f"Deactivated {changed} agent(s).", messages.SUCCESS)
+        agents = list(queryset.filter(is_active=True))
+        for agent in agents:
+            services.agent_set_active(agent=agent, active=False)
+        self.message_user(request, f"Deactivated {len(agents)} agent(s).", messages.SUCCESS)
 
     @admin.action(description="Activate", permissions=["change"])
     def activate(self, request: HttpRequest, queryset: QuerySet[Agent]) -> None:
-        changed = queryset.filter(is_active=False).update(is_active=True)
-        self.message_user(request, f"Activated {changed} agent(s).", messages.SUCCESS)
+        agents = list(queryset.filter(is_active=False))
+        for agent in agents:
+            services.agent_set_active(agent=agent, active=True)
+        self.message_user(request, f"Activated {len(agents)} agent(s).", messages.SUCCESS)
 
 
 # --- the ledger (read-only) ---------------------------------------------------------------

@@ -16,6 +16,9 @@ from guardian.models import GroupObjectPermissionBase, UserObjectPermissionBase
 
 from executor.states import State
 
+# The tool contract's vocabulary: the Tool table mirrors what tools declare.
+from executor.tools.base import ApprovalRule, Effect, Idempotency
+
 # Integers beyond this are compared as the floats JSON stores them as (jsonb normalizes).
 EXACT_INTEGERS = 2**53
 
@@ -83,24 +86,6 @@ class WorkspaceGroupObjectPermission(GroupObjectPermissionBase):
     content_object = models.ForeignKey(Workspace, on_delete=models.CASCADE)
 
 
-class Effect(models.TextChoices):
-    PURE = "pure"
-    READ = "read"
-    WRITE = "write"
-    DESTRUCTIVE = "destructive"
-
-
-class Idempotency(models.TextChoices):
-    NONE = "none"
-    KEY = "key"
-
-
-class ApprovalRule(models.TextChoices):
-    ALWAYS = "always"
-    NEVER = "never"
-    BY_POLICY = "by_policy"
-
-
 class Tool(models.Model):
     """The database mirror of a registered tool, so guardian can grant `use_tool` on it."""
 
@@ -119,6 +104,69 @@ class Tool(models.Model):
     class Meta:
         ordering = ["name"]
         permissions = [("use_tool", "Use this tool (agents)")]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class HttpToolSpec(models.Model):
+    """An HTTP tool defined as data (API.md "Your own tools"): `manage.py load_tools` or
+    admin write these; every process registers them as tools (executor/tools/http.py).
+
+    Header values may hold `${NAME}` placeholders, read from the environment at call time:
+    the secrets themselves are never stored here, shown or copied into evidence.
+    """
+
+    class Method(models.TextChoices):
+        GET = "GET"
+        POST = "POST"
+        PUT = "PUT"
+        PATCH = "PATCH"
+        DELETE = "DELETE"
+
+    class HttpEffect(models.TextChoices):
+        PURE = "pure"
+        READ = "read"
+        WRITE = "write"
+
+    class HttpIdempotency(models.TextChoices):
+        NONE = "none"
+        HEADER = "header"
+
+    class LookupFound(models.TextChoices):
+        COUNT = "count", "a JSON list, or an object with a count, that is not empty"
+        STATUS = "status", "200 found, 404 not found"
+
+    class Approval(models.TextChoices):
+        NEVER = "never"
+        ALWAYS = "always"
+
+    name = models.CharField(max_length=100, unique=True)
+    description = models.TextField(blank=True)
+    effect = models.CharField(max_length=10, choices=HttpEffect.choices)
+    method = models.CharField(max_length=10, choices=Method.choices, default=Method.POST)
+    url = models.CharField(max_length=2000)
+    headers = models.JSONField(default=dict, blank=True)
+    idempotency = models.CharField(
+        max_length=10, choices=HttpIdempotency.choices, default=HttpIdempotency.NONE
+    )
+    idempotency_header = models.CharField(max_length=100, default="Idempotency-Key")
+    lookup_url = models.CharField(max_length=2000, blank=True)
+    lookup_found = models.CharField(
+        max_length=10, choices=LookupFound.choices, default=LookupFound.COUNT
+    )
+    external_id = models.CharField(max_length=100, blank=True)
+    approval = models.CharField(max_length=10, choices=Approval.choices, default=Approval.NEVER)
+    compensation = models.CharField(max_length=100, blank=True)
+    input_schema = models.JSONField(default=dict)
+    retry = models.JSONField(default=dict, blank=True)
+    redact = models.JSONField(default=list, blank=True)
+    timeout_seconds = models.FloatField(default=10.0)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+        verbose_name = "HTTP tool"
 
     def __str__(self) -> str:
         return self.name

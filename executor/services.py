@@ -15,7 +15,7 @@ from django.contrib.auth.models import User
 from django.db import IntegrityError, transaction
 from django.db.models import F, TextChoices
 from django.utils import timezone
-from guardian.shortcuts import assign_perm
+from guardian.shortcuts import assign_perm, remove_perm
 
 from executor import dispatch, policy, progress, recovery, transitions
 from executor.models import (
@@ -24,6 +24,7 @@ from executor.models import (
     Agent,
     Approval,
     Effect,
+    HttpToolSpec,
     Idempotency,
     Run,
     RunEvent,
@@ -35,6 +36,7 @@ from executor.models import (
     canonical_hash,
 )
 from executor.states import State
+from executor.tools import http as http_tools
 from executor.tools.base import Tool as ToolContract
 from executor.tools.base import all_tools, get_tool
 
@@ -78,6 +80,7 @@ def user_actor(user: User) -> str:
 
 def tools_sync(*, using: str = "default") -> None:
     """Mirrors the registry into the Tool table, so permissions can be granted per tool."""
+    http_tools.refresh(force=True)
     registered = set()
     for tool in all_tools():
         registered.add(tool.name)
@@ -96,6 +99,72 @@ def tools_sync(*, using: str = "default") -> None:
     Tool.objects.using(using).exclude(name__in=registered).update(registered=False)
 
 
+@dataclass
+class ToolsLoaded:
+    """What `http_tools_load` did (or, checking, would do), by tool name."""
+
+    created: list[str]
+    updated: list[str]
+    unchanged: list[str]
+    removed: list[str]
+
+
+def http_tools_load(
+    *, tables: Sequence[dict[str, Any]], prune: bool = False, check: bool = False
+) -> ToolsLoaded:
+    """Creates or updates the HTTP tools of a TOML file's [[tool]] tables, all or nothing.
+
+    Every table is checked first (its fields, its hosts against EXECUTOR_HTTP_ALLOWED_HOSTS,
+    its schema, its compensation): any problem raises Invalid listing every one, each naming
+    the tool and the field, and nothing is written. `prune` removes the HTTP tools the
+    file does not name; `check` only says what loading would do. An edited tool gets a new
+    policy version, so approvals of its earlier version no longer authorize anything.
+    """
+    existing = {spec.name: spec for spec in HttpToolSpec.objects.all()}
+    in_code = http_tools.python_tool_names()
+    names = [t.get("name") for t in tables]
+    known = in_code | set(existing) | {n for n in names if isinstance(n, str)}
+    problems: list[str] = []
+    for table in tables:
+        problems += http_tools.spec_errors(table, tools=known)
+        name = table.get("name")
+        if name in in_code:
+            problems.append(f"tool {name}: field 'name': a tool of that name is defined in code")
+        if isinstance(name, str) and names.count(name) > 1:
+            problems.append(f"tool {name}: field 'name': the file defines it more than once")
+    if problems:
+        raise Invalid(
+            f"{len(problems)} problem(s); nothing was loaded", {"problems": sorted(set(problems))}
+        )
+    report = ToolsLoaded(created=[], updated=[], unchanged=[], removed=[])
+    fresh = {spec.name: spec for spec in map(http_tools.spec_from_table, tables)}
+    for name, spec in fresh.items():
+        old = existing.get(name)
+        if old is None:
+            report.created.append(name)
+        elif (
+            http_tools.tool_class(old).policy_version()
+            != http_tools.tool_class(spec).policy_version()
+            or old.description != spec.description
+        ):
+            report.updated.append(name)
+        else:
+            report.unchanged.append(name)
+    if prune:
+        report.removed = sorted(set(existing) - set(fresh))
+    if check:
+        return report
+    with transaction.atomic():
+        for name in [*report.created, *report.updated]:
+            spec = fresh[name]
+            if name in existing:
+                spec.pk = existing[name].pk
+            spec.save()
+        HttpToolSpec.objects.filter(name__in=report.removed).delete()
+        tools_sync()
+    return report
+
+
 # --- workspaces, agents and reviewers ----------------------------------------------------
 
 
@@ -104,8 +173,11 @@ def workspace_get_or_create(*, slug: str, name: str = "") -> Workspace:
     return workspace
 
 
-def agent_create(*, workspace: Workspace, name: str) -> tuple[Agent, str]:
-    """Creates an agent with `submit_steps` on its workspace and `use_tool` on every tool.
+def agent_create(
+    *, workspace: Workspace, name: str, tools: Iterable[str] | None = None
+) -> tuple[Agent, str]:
+    """Creates an agent with `submit_steps` on its workspace and `use_tool` on `tools`
+    (every registered tool when None).
 
     Returns the agent and its token, which is never stored and never shown again.
     """
@@ -125,9 +197,30 @@ def agent_create(*, workspace: Workspace, name: str) -> tuple[Agent, str]:
         agent.save()
         for permission in AGENT_WORKSPACE_PERMISSIONS:
             assign_perm(f"executor.{permission}", user, workspace)
-        for tool in Tool.objects.filter(registered=True):
-            assign_perm("executor.use_tool", user, tool)
+        agent_set_tools(agent=agent, tools=tools)
     return agent, token
+
+
+def agent_set_tools(*, agent: Agent, tools: Iterable[str] | None) -> list[str]:
+    """Makes `tools` exactly the tools the agent may use (every registered one when None).
+
+    Returns their names. An unknown name is refused, naming it, and nothing changes.
+    """
+    rows = Tool.objects.filter(registered=True)
+    if tools is not None:
+        wanted = set(tools)
+        rows = rows.filter(name__in=wanted)
+        unknown = sorted(wanted - {row.name for row in rows})
+        if unknown:
+            raise Invalid(f"no such tool: {', '.join(unknown)}", {"tools": unknown})
+    chosen = list(rows)
+    user = agent.user
+    with transaction.atomic():
+        for row in Tool.objects.exclude(pk__in=[t.pk for t in chosen]):
+            remove_perm("executor.use_tool", user, row)
+        for row in chosen:
+            assign_perm("executor.use_tool", user, row)
+    return sorted(row.name for row in chosen)
 
 
 def agent_set_active(*, agent: Agent, active: bool) -> Agent:

@@ -13,8 +13,8 @@ Routes:
   The first request with a key creates the ticket (201); the same key again answers the
   original ticket (200, `Idempotent-Replayed: true`) and creates nothing. The same key
   with a different title, body or client_ref is refused with 422.
-- `GET /tickets?client_ref=R` → 200 `{"tickets": [...]}`, every ticket with that
-  reference, oldest first (without `client_ref`: every ticket).
+- `GET /tickets?client_ref=R` → 200 `{"tickets": [...], "count": n}`, every ticket with
+  that reference, oldest first (without `client_ref`: every ticket).
 - `GET /tickets/{id}` → the ticket, or 404.
 - `POST /tickets/{id}/close` `{client_ref?}` → 200 the ticket, closed. Closing a closed
   ticket changes nothing and answers 200; an unknown id is 404.
@@ -31,6 +31,10 @@ Latency is served first, then a 503 or a 429 (with `Retry-After`) is answered be
 anything is committed. A drop lets the request take effect (a create, a keyed replay, a
 close) and then closes the connection without a response, so the client sees a lost
 connection after the effect happened.
+
+As a reference target for HTTP tools defined as data (API.md "Your own tools"), the create
+and close routes also take the client_ref from an `X-Stepward-Operation` header when the
+body has none, and the fence from `X-Stepward-Fence`: such a tool's JSON input is the body.
 
 Fencing: the create and close routes accept an `X-Fence-Token` integer together with the
 request's client_ref. The desk remembers the highest token seen per client_ref and
@@ -504,12 +508,25 @@ class DeskHandler(BaseHTTPRequestHandler):
         return data
 
     def _fence(self) -> int | None:
-        value = self.headers.get("X-Fence-Token")
+        # Stepward's HTTP tools send X-Stepward-Fence; the built-in desk tools X-Fence-Token.
+        value = self.headers.get("X-Fence-Token") or self.headers.get("X-Stepward-Fence")
         if value is None:
             return None
         if not re.fullmatch(r"\s*-?\d{1,18}\s*", value):
             raise DeskError(HTTPStatus.BAD_REQUEST, "X-Fence-Token must be an integer")
         return int(value)
+
+    def _client_ref(self, data: dict[str, Any], *, required: bool) -> str | None:
+        """The body's client_ref, else the X-Stepward-Operation header (what Stepward's HTTP
+        tools send: their JSON input is the body, the operation id travels beside it)."""
+        if "client_ref" in data:
+            return _text_field(data, "client_ref", limit=MAX_REF_CHARS, required=required)
+        header = (self.headers.get("X-Stepward-Operation") or "").strip()
+        if header:
+            return _text_field(
+                {"client_ref": header}, "client_ref", limit=MAX_REF_CHARS, required=True
+            )
+        return _text_field(data, "client_ref", limit=MAX_REF_CHARS, required=required)
 
     # --- routes ------------------------------------------------------------------------
 
@@ -552,7 +569,8 @@ class DeskHandler(BaseHTTPRequestHandler):
         refs = parse_qs(query, keep_blank_values=True).get("client_ref")
         client_ref = refs[0] if refs else None
         fence = self._fence() if client_ref is not None else None
-        return 200, {"tickets": self.server.store.find(client_ref, fence=fence)}, {}
+        tickets = self.server.store.find(client_ref, fence=fence)
+        return 200, {"tickets": tickets, "count": len(tickets)}, {}
 
     def _get(self, ticket_id: str, *, query: str, raw: bytes) -> tuple[int, Any, dict[str, str]]:
         ticket = self.server.store.get(_ticket_id(ticket_id))
@@ -577,7 +595,7 @@ class DeskHandler(BaseHTTPRequestHandler):
         data = self._json_object(raw)
         title = _text_field(data, "title", limit=MAX_TITLE_CHARS, required=True)
         body = _text_field(data, "body", limit=MAX_TEXT_CHARS, required=False) or ""
-        client_ref = _text_field(data, "client_ref", limit=MAX_REF_CHARS, required=True)
+        client_ref = self._client_ref(data, required=True)
         assert title is not None
         assert client_ref is not None
         fence = self._fence()
@@ -601,7 +619,7 @@ class DeskHandler(BaseHTTPRequestHandler):
 
     def _close(self, ticket_id: str, *, query: str, raw: bytes) -> tuple[int, Any, dict[str, str]]:
         data = self._json_object(raw, allow_empty=True)
-        client_ref = _text_field(data, "client_ref", limit=MAX_REF_CHARS, required=False)
+        client_ref = self._client_ref(data, required=False)
         fence = self._fence()
         if fence is not None and not client_ref:
             raise DeskError(HTTPStatus.BAD_REQUEST, "X-Fence-Token needs a client_ref")

@@ -28,18 +28,18 @@ LAYERS: list[tuple[str, list[str]]] = [
             r"executor\.ticketdesk",
             r"executor\.dispatch",
             r"executor\.redaction",
-            r"executor\.tools",
             r"executor\.management(\.commands)?",
             r"console",
             r"console\.(settings|celery|broker|storage|http|asgi|wsgi)",
             r"console\.templatetags(\..*)?",
         ],
     ),
+    # The tool contract and its vocabulary, which the records use (Effect, Idempotency…).
+    ("tool contract", [r"executor\.tools", r"executor\.tools\.base"]),
     ("records", [r"executor\.models"]),
     (
         "ledger",
         [
-            r"executor\.tools\.base",
             r"executor\.tools\.loader",
             r"executor\.transitions",
             r"executor\.schemas",

@@ -9,14 +9,38 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from decimal import Decimal
 from typing import Any, ClassVar
 
 import jsonschema
+from django.db import models
 
-from executor.models import ApprovalRule, Effect, Idempotency
 from executor.redaction import Redactor, is_secret_key
+
+
+class Effect(models.TextChoices):
+    """What a call does to the world (DESIGN.md §6)."""
+
+    PURE = "pure"
+    READ = "read"
+    WRITE = "write"
+    DESTRUCTIVE = "destructive"
+
+
+class Idempotency(models.TextChoices):
+    NONE = "none"
+    # Only when the external system verifiably deduplicates on a key we send.
+    KEY = "key"
+
+
+class ApprovalRule(models.TextChoices):
+    ALWAYS = "always"
+    NEVER = "never"
+    # Destructive effects need a person.
+    BY_POLICY = "by_policy"
 
 
 class FailureClass(enum.StrEnum):
@@ -191,8 +215,14 @@ class Tool:
             "redact": sorted(cls.redact),
             "lookup": cls.has_lookup(),
             "lookup_authoritative": cls.lookup_authoritative,
+            **cls.declared_extra(),
         }
         return hashlib.sha256(json.dumps(declared, sort_keys=True).encode()).hexdigest()[:16]
+
+    @classmethod
+    def declared_extra(cls) -> dict[str, Any]:
+        """Further declarations an approval is bound to (an HTTP tool's method, URL…)."""
+        return {}
 
     @classmethod
     def validator(cls) -> jsonschema.Draft202012Validator:
@@ -266,24 +296,51 @@ def check_declarations(cls: type[Tool]) -> None:
         raise RegistrationError(f"tool {cls.name}: input_schema must describe an object")
 
 
+_lock = threading.RLock()
+# Where tools come from besides `@register` at import (HTTP tools defined as data): each
+# is called before the registry is read, and refreshes its tools when they changed.
+_sources: list[Callable[[], None]] = []
+
+
 def register[T: type[Tool]](cls: T) -> T:
     check_declarations(cls)
-    if cls.name in _registry and type(_registry[cls.name]) is not cls:
-        raise RegistrationError(f"a tool named {cls.name} is already registered")
-    _registry[cls.name] = cls()
+    with _lock:
+        if cls.name in _registry and type(_registry[cls.name]) is not cls:
+            raise RegistrationError(f"a tool named {cls.name} is already registered")
+        _registry[cls.name] = cls()
     return cls
 
 
 def unregister(name: str) -> None:
-    _registry.pop(name, None)
+    with _lock:
+        _registry.pop(name, None)
+
+
+def add_source(refresh: Callable[[], None]) -> None:
+    """Registers a source of tools, asked to refresh them whenever the registry is read."""
+    _sources.append(refresh)
+
+
+def _refreshed() -> dict[str, Tool]:
+    for refresh in _sources:
+        refresh()
+    return _registry
+
+
+def registered(name: str) -> Tool | None:
+    """The tool registered under `name` now, without asking the sources to refresh."""
+    with _lock:
+        return _registry.get(name)
 
 
 def get_tool(name: str) -> Tool:
     try:
-        return _registry[name]
+        return _refreshed()[name]
     except KeyError:
         raise LookupError(f"no tool named {name!r}") from None
 
 
 def all_tools() -> list[Tool]:
-    return [_registry[name] for name in sorted(_registry)]
+    registry = _refreshed()
+    with _lock:
+        return [registry[name] for name in sorted(registry)]

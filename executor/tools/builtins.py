@@ -6,6 +6,7 @@ built-in modules it wants (`executor.tools.echo`, …).
 
 from __future__ import annotations
 
-from executor.tools import echo, email_send, http_get, ticketdesk
+from executor.tools import echo, email_send, http, http_get, ticketdesk
 
-__all__ = ["echo", "email_send", "http_get", "ticketdesk"]
+# `http` registers the HTTP tools defined as data (load_tools, admin).
+__all__ = ["echo", "email_send", "http", "http_get", "ticketdesk"]

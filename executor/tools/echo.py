@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-from executor.models import ApprovalRule, Effect, Idempotency
-from executor.tools.base import Invocation, RetryPolicy, Tool, ToolResult, register
+from executor.tools.base import (
+    ApprovalRule,
+    Effect,
+    Idempotency,
+    Invocation,
+    RetryPolicy,
+    Tool,
+    ToolResult,
+    register,
+)
 
 
 @register

@@ -10,9 +10,11 @@ from django.core import mail
 from django.core.exceptions import ValidationError
 from django.core.validators import validate_email
 
-from executor.models import ApprovalRule, Effect, Idempotency
 from executor.tools.base import (
+    ApprovalRule,
+    Effect,
     FailureClass,
+    Idempotency,
     Invocation,
     RetryPolicy,
     Tool,

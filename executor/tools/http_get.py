@@ -7,10 +7,12 @@ from urllib.parse import urlsplit
 import httpx
 from django.conf import settings
 
-from executor.models import ApprovalRule, Effect, Idempotency
 from executor.tools import outbound
 from executor.tools.base import (
+    ApprovalRule,
+    Effect,
     FailureClass,
+    Idempotency,
     Invocation,
     RetryPolicy,
     Tool,

@@ -11,10 +11,12 @@ from typing import Any, ClassVar
 import httpx
 from django.conf import settings
 
-from executor.models import ApprovalRule, Effect, Idempotency
 from executor.tools import outbound
 from executor.tools.base import (
+    ApprovalRule,
+    Effect,
     FailureClass,
+    Idempotency,
     Invocation,
     Lookup,
     LookupOutcome,

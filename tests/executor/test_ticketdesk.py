@@ -279,7 +279,7 @@ def test_list_by_client_ref_returns_only_that_references_tickets(desk: Desk) -> 
 
     assert response.status_code == 200
     assert [t["ticket_id"] for t in response.json()["tickets"]] == ids
-    assert desk.get("/tickets", client_ref=new_ref()).json() == {"tickets": []}
+    assert desk.get("/tickets", client_ref=new_ref()).json() == {"tickets": [], "count": 0}
 
 
 def test_get_ticket_answers_the_ticket_or_404(desk: Desk) -> None:
@@ -601,7 +601,7 @@ def test_a_lookup_with_a_newer_fence_fences_out_older_creates(desk: Desk) -> Non
     lookup = desk.client.get("/tickets", params={"client_ref": ref}, headers={"X-Fence-Token": "5"})
     late = desk.post("/tickets", {"title": "t", "client_ref": ref}, **{"X-Fence-Token": "4"})
 
-    assert lookup.json() == {"tickets": []}
+    assert lookup.json() == {"tickets": [], "count": 0}
     assert late.status_code == 409
     assert desk.count(ref) == 0
 

@@ -10,19 +10,28 @@ from django.core.validators import validate_slug
 from django.db import transaction
 
 from executor import services
-from executor.models import Agent, Tool, Workspace
+from executor.models import Agent, Tool, ToolUserObjectPermission, Workspace
 
 
 class Command(BaseCommand):
     help = (
         "Creates an agent (and its workspace if needed) with submit_steps on the workspace "
-        "and use_tool on every tool. Prints its token alone on the last line: it is shown "
-        "only this once."
+        "and use_tool on the tools named by --tools (every tool by default). Prints its "
+        "token alone on the last line: it is shown only this once."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("name", help="the agent's name, unique within its workspace")
         parser.add_argument("--workspace", required=True, metavar="SLUG")
+        which = parser.add_mutually_exclusive_group()
+        which.add_argument(
+            "--tools",
+            metavar="A,B",
+            help="the tools it may use (use_tool), comma-separated; default: every tool",
+        )
+        which.add_argument(
+            "--all-tools", action="store_true", help="use_tool on every tool (the default)"
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         name: str = options["name"].strip()
@@ -33,17 +42,42 @@ class Command(BaseCommand):
             # One transaction: a refused agent leaves no workspace created for it behind.
             with transaction.atomic():
                 workspace = services.workspace_get_or_create(slug=slug)
-                agent, token = services.agent_create(workspace=workspace, name=name)
+                agent, token = services.agent_create(
+                    workspace=workspace, name=name, tools=_tools(options["tools"])
+                )
         except services.ServiceError as error:
             raise CommandError(error.message) from None
-        tools = Tool.objects.filter(registered=True).count()
+        usable = ", ".join(
+            Tool.objects.filter(registered=True)
+            .filter(pk__in=agent_tools(agent))
+            .values_list("name", flat=True)
+        )
         self.stdout.write(
             f"Created agent {agent.name!r} in {'new' if new_workspace else 'existing'} "
-            f"workspace {workspace.slug!r} with submit_steps on the workspace and use_tool on "
-            f"{tools} tool(s). Its token follows; it is not stored and will not be shown again:"
+            f"workspace {workspace.slug!r} with submit_steps on the workspace and use_tool on: "
+            f"{usable or 'no tool'}. Its token follows; it is not stored and will not be shown "
+            "again:"
         )
         # Alone on the last line, so scripts can take it with `tail -n 1`.
         self.stdout.write(token)
+
+
+def _tools(option: str | None) -> list[str] | None:
+    if option is None:
+        return None
+    names = [name.strip() for name in option.split(",") if name.strip()]
+    if not names:
+        raise CommandError("--tools names no tool")
+    return names
+
+
+def agent_tools(agent: Agent) -> list[int]:
+    """The Tool rows the agent holds use_tool on."""
+    return list(
+        ToolUserObjectPermission.objects.filter(
+            user=agent.user, permission__codename="use_tool"
+        ).values_list("content_object_id", flat=True)
+    )
 
 
 def _validate(*, name: str, slug: str) -> None:

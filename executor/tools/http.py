@@ -1,0 +1,526 @@
+"""HTTP tools defined as data (API.md "Your own tools"): a deployment's webhooks, CRM writes
+or refunds, described in TOML (`manage.py load_tools`) or admin, never in code.
+
+Each HttpToolSpec row becomes a Tool subclass, registered in every process and refreshed
+when the rows change (`refresh`, throttled by EXECUTOR_TOOL_REFRESH_SECONDS). A call sends
+the step's JSON input as the body (GET and DELETE: as the query string), the spec's headers
+with `${NAME}` read from the environment at that moment (never stored, never shown: every
+value read is scrubbed from what the tool returns), `X-Stepward-Operation` (the step's
+operation id) and `X-Stepward-Fence`, and with `idempotency = "header"` the operation id in
+the idempotency header too, which makes a repeat safe. Answers map to failure classes as
+API.md says.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
+from urllib.parse import quote, urlsplit
+
+import httpx
+import jsonschema
+from django.conf import settings
+from django.db import DatabaseError
+from django.db.models import Count, Max
+
+from executor.models import HttpToolSpec
+from executor.redaction import scrub
+from executor.tools import outbound
+from executor.tools.base import (
+    ApprovalRule,
+    Effect,
+    FailureClass,
+    Idempotency,
+    Invocation,
+    Lookup,
+    LookupOutcome,
+    RegistrationError,
+    RetryPolicy,
+    Tool,
+    ToolError,
+    ToolResult,
+    add_source,
+    all_tools,
+    check_declarations,
+    register,
+    registered,
+    unregister,
+)
+
+ENV_PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+INPUT_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+NAME = re.compile(r"[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)+|[a-z][a-z0-9_]*")
+HEADER_NAME = re.compile(r"[A-Za-z0-9-]{1,100}")
+RETRY_FIELDS = frozenset(RetryPolicy.__dataclass_fields__)
+EVIDENCE_BODY_CHARS = 2000
+
+# The fields of a [[tool]] table: the TOML file's words, each with the spec's field.
+FIELDS = {
+    "name": "name",
+    "description": "description",
+    "effect": "effect",
+    "method": "method",
+    "url": "url",
+    "headers": "headers",
+    "idempotency": "idempotency",
+    "idempotency_header": "idempotency_header",
+    "lookup_url": "lookup_url",
+    "lookup_found": "lookup_found",
+    "external_id": "external_id",
+    "approval": "approval",
+    "compensation": "compensation",
+    "input_schema": "input_schema",
+    "retry": "retry",
+    "redact": "redact",
+    "timeout": "timeout_seconds",
+}
+REQUIRED = ("name", "effect", "url")
+
+
+# --- the host allow-list ------------------------------------------------------------------------
+
+
+def host_allowed(url: str, allowed: Iterable[str] | None = None) -> bool:
+    """Whether `url`'s host and port are in EXECUTOR_HTTP_ALLOWED_HOSTS: an entry `host`
+    allows that host on its scheme's default port (80, 443), `host:port` that port
+    (`[::1]:8080` for IPv6)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return False
+    default = 443 if parts.scheme == "https" else 80
+    try:
+        port = parts.port or default
+    except ValueError:
+        return False
+    wanted = (parts.hostname.lower(), port)
+    entries = settings.EXECUTOR_HTTP_ALLOWED_HOSTS if allowed is None else allowed
+    return any(_host_and_port(entry, default) == wanted for entry in entries)
+
+
+def _host_and_port(entry: str, default: int) -> tuple[str, int] | None:
+    entry = entry.strip().lower()
+    if entry.startswith("["):
+        host, _, rest = entry[1:].partition("]")
+        port = rest.removeprefix(":")
+    elif entry.count(":") == 1:
+        host, port = entry.split(":")
+    else:
+        host, port = entry, ""
+    if port and not port.isdigit():
+        return None
+    return host, int(port) if port else default
+
+
+# --- the spec ---------------------------------------------------------------------------------
+
+
+def render_env(template: str, *, secrets: set[str] | None = None) -> str:
+    """`template` with each `${NAME}` read from the environment now (KeyError if unset).
+    Every value read is added to `secrets`, to be scrubbed from what the call returns."""
+
+    def value(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in os.environ:
+            raise KeyError(name)
+        found = os.environ[name]
+        if secrets is not None and found:
+            secrets.add(found)
+        return found
+
+    return ENV_PLACEHOLDER.sub(value, template)
+
+
+def spec_errors(spec: Mapping[str, Any], *, tools: Iterable[str] = ()) -> list[str]:
+    """Everything wrong with one [[tool]] table, each naming the tool and the field; [] when
+    it can be loaded. `tools` are the other tool names that exist (for `compensation`)."""
+    name = spec.get("name") if isinstance(spec.get("name"), str) else "(unnamed)"
+    errors: list[str] = []
+
+    def bad(field: str, problem: str) -> None:
+        errors.append(f"tool {name}: field {field!r}: {problem}")
+
+    for field in spec:
+        if field not in FIELDS:
+            bad(field, f"unknown field (known: {', '.join(sorted(FIELDS))})")
+    for field in REQUIRED:
+        if field not in spec:
+            bad(field, "is required")
+    if errors:
+        return errors
+    if not isinstance(spec["name"], str) or not NAME.fullmatch(spec["name"]):
+        bad("name", "must be lower-case words joined by dots or underscores, e.g. crm.create")
+    choices = {
+        "effect": HttpToolSpec.HttpEffect.values,
+        "method": HttpToolSpec.Method.values,
+        "idempotency": HttpToolSpec.HttpIdempotency.values,
+        "lookup_found": HttpToolSpec.LookupFound.values,
+        "approval": HttpToolSpec.Approval.values,
+    }
+    for field, allowed in choices.items():
+        if field in spec and spec[field] not in allowed:
+            bad(field, f"must be one of {', '.join(allowed)}")
+    for field in ("description", "idempotency_header", "external_id", "compensation"):
+        if field in spec and not isinstance(spec[field], str):
+            bad(field, "must be a string")
+    if isinstance(spec.get("idempotency_header"), str) and not HEADER_NAME.fullmatch(
+        spec["idempotency_header"]
+    ):
+        bad("idempotency_header", "must be a header name")
+    for field in ("url", "lookup_url"):
+        if field in spec:
+            errors.extend(f"tool {name}: field {field!r}: {p}" for p in url_problems(spec[field]))
+    lookup_url = spec.get("lookup_url")
+    if isinstance(lookup_url, str) and "{operation_id}" not in lookup_url:
+        bad("lookup_url", "must hold {operation_id}, the operation the lookup asks about")
+    headers = spec.get("headers", {})
+    if not isinstance(headers, dict) or not all(
+        isinstance(k, str) and HEADER_NAME.fullmatch(k) and isinstance(v, str)
+        for k, v in headers.items()
+    ):
+        bad("headers", "must be a table of header names to strings")
+    schema = spec.get("input_schema", {"type": "object"})
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+        if not isinstance(schema, dict) or schema.get("type") != "object":
+            bad("input_schema", 'must describe an object (type = "object")')
+    except jsonschema.SchemaError as error:
+        bad("input_schema", f"is not a JSON schema: {error.message}")
+    retry = spec.get("retry", {})
+    if not isinstance(retry, dict) or set(retry) - RETRY_FIELDS:
+        bad("retry", f"takes only {', '.join(sorted(RETRY_FIELDS))}")
+    else:
+        try:
+            RetryPolicy(**retry)
+        except (TypeError, ValueError) as error:
+            bad("retry", str(error))
+    redact = spec.get("redact", [])
+    if not isinstance(redact, list) or not all(isinstance(f, str) for f in redact):
+        bad("redact", "must be a list of input field names")
+    timeout = spec.get("timeout", 10.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= 300:
+        bad("timeout", "must be seconds, more than 0 and at most 300")
+    compensation = spec.get("compensation", "")
+    if isinstance(compensation, str) and compensation and compensation not in set(tools):
+        bad("compensation", f"names no tool: {compensation!r}")
+    if spec.get("idempotency") == "header" and spec.get("idempotency_header", "x") == "":
+        bad("idempotency_header", 'is required with idempotency = "header"')
+    return errors
+
+
+def url_problems(url: Any) -> list[str]:
+    if not isinstance(url, str) or not url:
+        return ["must be a URL"]
+    try:
+        rendered = render_env(url)
+    except KeyError as missing:
+        return [f"${{{missing.args[0]}}} is not set in this environment"]
+    parts = urlsplit(rendered)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return [f"{rendered!r} is not an http(s) URL"]
+    if not host_allowed(INPUT_PLACEHOLDER.sub("x", rendered)):
+        return [
+            f"host {parts.netloc} is not in EXECUTOR_HTTP_ALLOWED_HOSTS "
+            f"({', '.join(settings.EXECUTOR_HTTP_ALLOWED_HOSTS) or 'empty'})"
+        ]
+    return []
+
+
+def spec_from_table(table: Mapping[str, Any]) -> HttpToolSpec:
+    """An unsaved HttpToolSpec from a checked [[tool]] table."""
+    values = {FIELDS[field]: value for field, value in table.items()}
+    values.setdefault("input_schema", {"type": "object"})
+    return HttpToolSpec(**values)
+
+
+# --- the tool -----------------------------------------------------------------------------------
+
+
+class HttpTool(Tool):
+    """A tool made from an HttpToolSpec; `tool_class` sets the declarations."""
+
+    spec: ClassVar[HttpToolSpec]
+
+    @classmethod
+    def declared_extra(cls) -> dict[str, Any]:
+        spec = cls.spec
+        return {
+            "method": spec.method,
+            "url": spec.url,
+            "headers": spec.headers,
+            "idempotency_header": spec.idempotency_header,
+            "lookup_url": spec.lookup_url,
+            "lookup_found": spec.lookup_found,
+            "external_id": spec.external_id,
+            "timeout": spec.timeout_seconds,
+        }
+
+    def invoke(self, call: Invocation) -> ToolResult:
+        spec = self.spec
+        secrets: set[str] = set()
+        url, headers = self._request(spec.url, call, secrets)
+        if spec.idempotency == HttpToolSpec.HttpIdempotency.HEADER:
+            headers[spec.idempotency_header] = call.idempotency_key
+        body: dict[str, Any] = {"headers": headers}
+        if spec.method in ("GET", "DELETE"):
+            body["params"] = {
+                k: v for k, v in call.input.items() if isinstance(v, str | int | float)
+            }
+        else:
+            body["json"] = call.input
+        response = self._send(spec.method, url, secrets, **body)
+        status = response.status_code
+        if 200 <= status < 300:
+            answer = _json_or_text(response)
+            external = _field(answer, spec.external_id) if spec.external_id else ""
+            return ToolResult(
+                result=_scrubbed(answer, secrets),
+                external_id=scrub(str(external or ""), secrets),
+                evidence={"status": status},
+            )
+        raise self._refusal(response, secrets)
+
+    def lookup(self, call: Invocation) -> Lookup:
+        spec = self.spec
+        secrets: set[str] = set()
+        template = spec.lookup_url.replace("{operation_id}", quote(call.operation_id, safe=""))
+        url, headers = self._request(template, call, secrets)
+        response = self._send("GET", url, secrets, headers=headers)
+        status = response.status_code
+        evidence = {"status": status}
+        if spec.lookup_found == HttpToolSpec.LookupFound.STATUS:
+            if status == 404:
+                return Lookup(LookupOutcome.NOT_FOUND, evidence=evidence)
+            if status != 200:
+                return Lookup(LookupOutcome.CANNOT_TELL, evidence=evidence)
+            answer = _json_or_text(response)
+            first: Any = answer
+        else:
+            if status != 200:
+                return Lookup(LookupOutcome.CANNOT_TELL, evidence=evidence)
+            answer = _json_or_text(response)
+            found, first = _counted(answer)
+            if found is None:
+                return Lookup(LookupOutcome.CANNOT_TELL, evidence={**evidence, "why": "no count"})
+            if found == 0:
+                return Lookup(LookupOutcome.NOT_FOUND, evidence=evidence)
+        external = _field(first, spec.external_id) if spec.external_id else ""
+        return Lookup(
+            LookupOutcome.FOUND,
+            external_id=scrub(str(external or ""), secrets),
+            result=_scrubbed(first, secrets),
+            evidence=evidence,
+        )
+
+    def compensation_input(self, external_id: str, result: Any) -> dict[str, Any]:
+        return {self.spec.external_id or "external_id": external_id}
+
+    # --- the request ----------------------------------------------------------------------
+
+    def _request(
+        self, template: str, call: Invocation, secrets: set[str]
+    ) -> tuple[str, dict[str, str]]:
+        try:
+            url = render_env(template, secrets=secrets)
+            headers = {
+                name: render_env(value, secrets=secrets)
+                for name, value in self.spec.headers.items()
+            }
+        except KeyError as missing:
+            raise ToolError(
+                FailureClass.UNAVAILABLE,
+                f"${{{missing.args[0]}}} is not set in this worker's environment",
+            ) from None
+
+        def field(match: re.Match[str]) -> str:
+            value = call.input.get(match.group(1))
+            if value is None:
+                raise ToolError(
+                    FailureClass.INVALID_INPUT, f"the URL needs the input field {match.group(1)}"
+                )
+            return quote(str(value), safe="")
+
+        url = INPUT_PLACEHOLDER.sub(field, url)
+        if not host_allowed(url):
+            raise ToolError(
+                FailureClass.POLICY_DENIED,
+                f"host {urlsplit(url).netloc} is not in EXECUTOR_HTTP_ALLOWED_HOSTS",
+            )
+        headers["X-Stepward-Operation"] = call.operation_id
+        headers["X-Stepward-Fence"] = str(call.fence)
+        return url, headers
+
+    def _send(self, method: str, url: str, secrets: set[str], **kwargs: Any) -> httpx.Response:
+        try:
+            return outbound.client().request(
+                method, url, timeout=self.spec.timeout_seconds, follow_redirects=False, **kwargs
+            )
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as error:
+            raise ToolError(
+                FailureClass.TRANSIENT,
+                scrub(f"nothing was sent: {type(error).__name__}: {error}", secrets),
+            ) from None
+        except httpx.HTTPError as error:
+            # Sent, and no reliable answer: it may have taken effect (API.md).
+            raise ToolError(
+                FailureClass.AMBIGUOUS,
+                scrub(
+                    f"no reliable answer after sending: {type(error).__name__}: {error}", secrets
+                ),
+            ) from None
+
+    def _refusal(self, response: httpx.Response, secrets: set[str]) -> ToolError:
+        status = response.status_code
+        text = scrub(response.text[:EVIDENCE_BODY_CHARS], secrets)
+        evidence = {"status": status, "body": text}
+        message = f"{self.spec.method} answered {status}: {text[:300]}"
+        if status in (400, 422):
+            return ToolError(FailureClass.INVALID_INPUT, message, evidence=evidence)
+        if status in (401, 403):
+            return ToolError(FailureClass.PERMISSION_DENIED, message, evidence=evidence)
+        if status == 409:
+            return ToolError(FailureClass.CONFLICT, message, evidence=evidence)
+        if status == 429:
+            return ToolError(
+                FailureClass.RATE_LIMITED,
+                message,
+                retry_after=_retry_after(response),
+                evidence=evidence,
+            )
+        if status == 408 or status >= 500:
+            # It may have acted before failing; `idempotency = "header"` makes a repeat safe.
+            return ToolError(FailureClass.AMBIGUOUS, message, evidence=evidence)
+        return ToolError(FailureClass.INVALID_INPUT, message, evidence=evidence)
+
+
+def _json_or_text(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return {"body": response.text[:EVIDENCE_BODY_CHARS]}
+
+
+def _field(answer: Any, name: str) -> Any:
+    return answer.get(name, "") if isinstance(answer, dict) else ""
+
+
+def _counted(answer: Any) -> tuple[int | None, Any]:
+    """(how many, the first) of a lookup's answer: a list, or an object with a `count`
+    (its first list-valued member holds the items)."""
+    if isinstance(answer, list):
+        return len(answer), answer[0] if answer else None
+    if isinstance(answer, dict) and isinstance(answer.get("count"), int):
+        items = next((v for v in answer.values() if isinstance(v, list)), [])
+        return answer["count"], items[0] if items else answer
+    return None, None
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    try:
+        return max(0.0, float(response.headers.get("Retry-After", "")))
+    except ValueError:
+        return None
+
+
+def _scrubbed(value: Any, secrets: set[str]) -> Any:
+    if isinstance(value, dict):
+        return {k: _scrubbed(v, secrets) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_scrubbed(v, secrets) for v in value]
+    if isinstance(value, str) and secrets:
+        return scrub(value, secrets)
+    return value
+
+
+def tool_class(spec: HttpToolSpec) -> type[HttpTool]:
+    """The Tool subclass of one spec, checked like any tool."""
+    retry = RetryPolicy(**spec.retry) if spec.retry else RetryPolicy()
+    attributes = {
+        "__module__": __name__,
+        "spec": spec,
+        "name": spec.name,
+        "description": spec.description,
+        "effect": Effect(spec.effect),
+        "idempotency": (
+            Idempotency.KEY
+            if spec.idempotency == HttpToolSpec.HttpIdempotency.HEADER
+            else Idempotency.NONE
+        ),
+        "requires_approval": (
+            ApprovalRule.ALWAYS
+            if spec.approval == HttpToolSpec.Approval.ALWAYS
+            else ApprovalRule.NEVER
+        ),
+        "compensation": spec.compensation,
+        "retry": retry,
+        "input_schema": spec.input_schema or {"type": "object"},
+        "redact": frozenset(spec.redact),
+        "lookup_authoritative": bool(spec.lookup_url),
+    }
+    if not spec.lookup_url:
+        # No lookup: the contract's default, so `has_lookup()` is False.
+        attributes["lookup"] = Tool.lookup
+    cls = type(f"HttpTool_{spec.name.replace('.', '_')}", (HttpTool,), attributes)
+    check_declarations(cls)
+    return cls
+
+
+# --- registration -------------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_generation: tuple[int, Any] | None = None
+_checked_at = 0.0
+_mine: set[str] = set()
+
+
+def refresh(*, force: bool = False) -> None:
+    """Registers the HTTP tools as the database has them now, when they changed (asked at
+    most every EXECUTOR_TOOL_REFRESH_SECONDS unless forced)."""
+    global _generation, _checked_at
+    now = time.monotonic()
+    if not force and now - _checked_at < settings.EXECUTOR_TOOL_REFRESH_SECONDS:
+        return
+    with _lock:
+        _checked_at = now
+        try:
+            row = HttpToolSpec.objects.aggregate(n=Count("pk"), latest=Max("updated_at"))
+            generation = (row["n"], row["latest"])
+            if generation == _generation and not force:
+                return
+            specs = list(HttpToolSpec.objects.all())
+        except (DatabaseError, RuntimeError):
+            # Not migrated yet, no database here, or none allowed (a test without one): the
+            # registry keeps what it had, and code's tools are unaffected.
+            return
+        _install(specs)
+        _generation = generation
+
+
+def _install(specs: list[HttpToolSpec]) -> None:
+    wanted = {spec.name for spec in specs}
+    for name in _mine - wanted:
+        unregister(name)
+    _mine.intersection_update(wanted)
+    for spec in specs:
+        existing = registered(spec.name)
+        if existing is not None and not isinstance(existing, HttpTool):
+            # A Python tool has the name: it wins, and load_tools refuses such a file.
+            continue
+        try:
+            cls = tool_class(spec)
+        except (RegistrationError, TypeError, ValueError):
+            continue  # admin and load_tools check specs; a bad row registers nothing
+        unregister(spec.name)
+        register(cls)
+        _mine.add(spec.name)
+
+
+def python_tool_names() -> set[str]:
+    """Tools registered by code, not from HttpToolSpec rows."""
+    return {tool.name for tool in all_tools() if not isinstance(tool, HttpTool)}
+
+
+add_source(refresh)
