@@ -18,6 +18,8 @@ Routes:
 - `GET /tickets/{id}` → the ticket, or 404.
 - `POST /tickets/{id}/close` `{client_ref?}` → 200 the ticket, closed. Closing a closed
   ticket changes nothing and answers 200; an unknown id is 404.
+- `POST /echo` → 200 `{"headers": {...}, "body": ...}`: what the desk received, request
+  headers included, as a careless API might answer (to check what a tool stores of it).
 - `GET /stats` → `{"tickets": n, "closed": n, "by_client_ref": {ref: n},
   "faults_injected": {...}, "stale_fence_refused": n}`. Ticket counts come from the
   store; the fault and refusal counters count since this process started.
@@ -539,6 +541,7 @@ class DeskHandler(BaseHTTPRequestHandler):
             ("/tickets/keyed", {"POST": self._create_keyed}),
             (TICKET_PATH, {"GET": self._get}),
             (CLOSE_PATH, {"POST": self._close}),
+            ("/echo", {"POST": self._echo}),
             ("/stats", {"GET": self._stats}),
             ("/faults", {"GET": self._get_faults, "POST": self._set_faults}),
         ]
@@ -633,6 +636,11 @@ class DeskHandler(BaseHTTPRequestHandler):
             raise
         faults.after_commit()
         return 200, ticket, {}
+
+    def _echo(self, *, query: str, raw: bytes) -> tuple[int, Any, dict[str, str]]:
+        """What the desk received, headers included, as a careless API might answer."""
+        received = dict(self.headers.items())
+        return 200, {"headers": received, "body": self._json_object(raw, allow_empty=True)}, {}
 
     def _stats(self, *, query: str, raw: bytes) -> tuple[int, Any, dict[str, str]]:
         return 200, {**self.server.store.stats(), **self.server.faults.counters()}, {}
