@@ -152,8 +152,8 @@ def http_tools_load(
             report.unchanged.append(name)
     if prune:
         report.removed = sorted(set(existing) - set(fresh))
-    for names in (report.created, report.updated, report.unchanged):
-        names.sort()
+    for listed in (report.created, report.updated, report.unchanged):
+        listed.sort()
     if check:
         return report
     with transaction.atomic():
