@@ -159,6 +159,8 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = max(API_MAX_BODY_BYTES, API_MAX_BATCH_BODY_BYTES)
 # Requests per minute per agent token; a shared CACHE_URL makes it hold across web processes.
 API_RATE_LIMIT = os.environ.get("API_RATE_LIMIT", "1200/min")
 API_MAX_WAIT_SECONDS = 30
+# With it set, GET /metrics needs `Authorization: Bearer <METRICS_TOKEN>` (API.md).
+METRICS_TOKEN = os.environ.get("METRICS_TOKEN", "")
 
 # --- the executor ---------------------------------------------------------------------
 # Modules whose import registers tools: the built-ins, then a deployment's own (API.md).

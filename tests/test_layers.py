@@ -52,6 +52,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             r"executor\.tools\.builtins",
             r"executor\.ledger",
             r"executor\.selectors",
+            r"executor\.metrics",
             r"executor\.policy",
         ],
     ),
@@ -67,7 +68,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             r"executor\.management\.commands\.\w+",
         ],
     ),
-    ("console", [r"console\.(views|forms|urls|console_urls)"]),
+    ("console", [r"console\.(views|forms|urls|console_urls|metrics)"]),
 ]
 
 # What the console may use of the executor: the services and selectors above the engine.
