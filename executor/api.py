@@ -27,7 +27,7 @@ from ninja.security import HttpBearer
 from ninja.throttling import AuthRateThrottle
 from ninja.types import DictStrAny
 
-from executor import selectors, services
+from executor import logcontext, selectors, services
 from executor.http import ERROR_CODES, error_response
 from executor.models import Agent, Run, Step, Tool, hash_token
 from executor.redaction import redact
@@ -70,6 +70,7 @@ class AgentToken(HttpBearer):
         )
         if agent is None:
             return None
+        logcontext.add(agent=agent.name, workspace=agent.workspace.slug)
         now = timezone.now()
         if agent.last_seen_at is None or now - agent.last_seen_at >= LAST_SEEN_EVERY:
             Agent.objects.filter(pk=agent.pk).update(last_seen_at=now)
@@ -274,6 +275,7 @@ def _run_or_404(agent: Agent, run_id: str) -> Run:
     run = selectors.runs_for_agent(agent=agent).filter(pk=pk).first() if pk else None
     if run is None:
         raise HttpError(404, "no such run")
+    logcontext.add(run_id=run.pk)
     return run
 
 
@@ -287,6 +289,7 @@ def _step_or_404(agent: Agent, step_id: str) -> Step:
     step = _visible_steps(agent).filter(pk=pk).first() if pk else None
     if step is None:
         raise HttpError(404, "no such step")
+    logcontext.add(step_id=step.pk, run_id=step.run_id)
     return step
 
 

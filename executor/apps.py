@@ -12,6 +12,8 @@ class ExecutorConfig(AppConfig):
         from django.conf import settings
 
         from executor import signals  # noqa: F401
+        from executor.logcontext import install_record_factory
         from executor.tools.loader import load_tools
 
+        install_record_factory()
         load_tools(settings.STEPWARD_TOOLS)

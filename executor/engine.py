@@ -34,7 +34,7 @@ from django.db import close_old_connections, connection, transaction
 from django.db.models import F, Q, QuerySet
 from django.utils import timezone
 
-from executor import dispatch, faults, policy, progress, transitions
+from executor import dispatch, faults, logcontext, policy, progress, transitions
 from executor.bulk import update_rows
 from executor.models import (
     OPEN_PHASES,
@@ -105,6 +105,20 @@ def invocation(step: Step, fence: int, attempt: int) -> Invocation:
     )
 
 
+def log_fields(step: Step, attempt: Attempt | None = None) -> dict[str, Any]:
+    """What a log line about this step carries (executor/logcontext.py)."""
+    workspace: Any = None
+    if Step.run.is_cached(step):
+        run = step.run
+        workspace = run.workspace.slug if Run.workspace.is_cached(run) else run.workspace_id
+    return {
+        "step_id": step.pk,
+        "run_id": step.run_id,
+        "workspace": workspace,
+        "attempt": attempt.number if attempt is not None else None,
+    }
+
+
 @dataclass
 class Claim:
     step: Step
@@ -147,7 +161,7 @@ def _locked(steps: QuerySet[Step]) -> QuerySet[Step]:
     On SQLite (no SKIP LOCKED) the claim's transaction is IMMEDIATE: it holds the database's
     write lock from its first statement, so what it reads nobody else can claim meanwhile.
     """
-    steps = steps.select_related("run", "run__agent", "run__agent__user")
+    steps = steps.select_related("run", "run__workspace", "run__agent", "run__agent__user")
     if connection.vendor == "postgresql":
         steps = steps.select_for_update(skip_locked=True, of=("self",))
     return steps
@@ -448,7 +462,8 @@ def persist_light(
             ends[c.step.pk] = State.COMPLETED if c.step.pk in moved_ids else Outcome.FENCED_OUT
         for m in stale:
             c, a = next((c, a) for c, a in done if c.step.pk == m.step.pk)
-            record_fenced_out(c.attempt, "responded", **response_evidence(c, a))
+            with logcontext.bound(**log_fields(c.step, c.attempt)):
+                record_fenced_out(c.attempt, "responded", **response_evidence(c, a))
         for c, error in failed:
             assert isinstance(error, BaseException)
             ends[c.step.pk] = handle_failure(c, error)
@@ -500,6 +515,11 @@ def stop_before_submit(step: Step, attempt: Attempt, *, now: datetime) -> str:
 
 def execute_claimed(claim: Claim) -> str:
     """The rest of a claimed write step's attempt: submitting, the call, its outcome."""
+    with logcontext.bound(**log_fields(claim.step, claim.attempt)):
+        return _execute_claimed(claim)
+
+
+def _execute_claimed(claim: Claim) -> str:
     step, attempt, tool = claim.step, claim.attempt, claim.tool
     if is_light(tool):
         return run_light([claim])[step.pk]
@@ -632,6 +652,11 @@ def backoff_seconds(tool: Tool, failures: int, rng: random.Random | None = None)
 
 
 def handle_failure(claim: Claim, error: BaseException) -> str:
+    with logcontext.bound(**log_fields(claim.step, claim.attempt)):
+        return _handle_failure(claim, error)
+
+
+def _handle_failure(claim: Claim, error: BaseException) -> str:
     step, attempt, tool = claim.step, claim.attempt, claim.tool
     actor = executor_actor(claim.worker)
     failure = tool.classify(error)
@@ -822,7 +847,11 @@ class LeaseKeeper:
                     held = list(self._held.values())
                 for lost in extend_leases(held, now=timezone.now()):
                     lost.lost = True
-                    logger.warning("lease lost on step %s", lost.step.pk)
+                    logger.warning(
+                        "lease lost on step %s",
+                        lost.step.pk,
+                        extra=log_fields(lost.step, lost.attempt),
+                    )
                     self.release([lost])
         except Exception:  # the leases then run out, and recovery takes over
             logger.exception("the lease keeper stopped")
@@ -849,13 +878,18 @@ def _call_pool() -> ThreadPoolExecutor:
         return _pool
 
 
-def _execute_in_thread(claim: Claim) -> str:
+def _execute_in_thread(claim: Claim, context: dict[str, Any]) -> str:
     close_old_connections()
-    try:
-        return execute_claimed(claim)
-    except Exception:  # its lease runs out and recovery takes it from there (§7)
-        logger.exception("step %s: the attempt stopped on an error", claim.step.pk)
-        return Outcome.SKIPPED
+    with logcontext.bound(**context):
+        try:
+            return execute_claimed(claim)
+        except Exception:  # its lease runs out and recovery takes it from there (§7)
+            logger.exception(
+                "step %s: the attempt stopped on an error",
+                claim.step.pk,
+                extra=log_fields(claim.step, claim.attempt),
+            )
+            return Outcome.SKIPPED
 
 
 class WritePool:
@@ -888,7 +922,9 @@ class WritePool:
                 self.ends[c.step.pk] = execute_claimed(c)
                 self.keeper.release([c])
             else:
-                self._running[_call_pool().submit(_execute_in_thread, c)] = c
+                # The pool's threads log with the context of the task that claimed the step.
+                future = _call_pool().submit(_execute_in_thread, c, logcontext.current())
+                self._running[future] = c
 
     def busy(self) -> bool:
         self._reap()

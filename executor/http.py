@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
+
+from executor import logcontext
+
+logger = logging.getLogger(__name__)
 
 API_PREFIX = "/api/"
 # Batch posts carry up to 500 steps: they have a limit of their own.
@@ -52,10 +58,18 @@ class ApiEdgeMiddleware:
     def __call__(self, request: HttpRequest) -> HttpResponseBase:
         if not request.path.startswith(API_PREFIX):
             return self.get_response(request)
-        refused = refuse_large_body(request)
-        if refused is not None:
-            return refused
-        return in_error_shape(self.get_response(request))
+        # A request's log lines carry the agent, run and step it is about (logcontext).
+        started = time.monotonic()
+        with logcontext.bound():
+            response = refuse_large_body(request) or in_error_shape(self.get_response(request))
+            logger.info(
+                "%s %s %s in %.1f ms",
+                request.method,
+                request.path,
+                response.status_code,
+                (time.monotonic() - started) * 1000,
+            )
+            return response
 
 
 def refuse_large_body(request: HttpRequest) -> HttpResponse | None:

@@ -12,13 +12,14 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from executor import dispatch, progress, transitions
+from executor import dispatch, logcontext, progress, transitions
 from executor.engine import (
     Outcome,
     close_attempt,
     find_tool,
     invocation,
     lease_seconds,
+    log_fields,
     safe_to_repeat,
 )
 from executor.models import Attempt, Phase, Step
@@ -29,10 +30,18 @@ logger = logging.getLogger(__name__)
 
 
 def load_step(step_id: Any) -> Step | None:
-    return Step.objects.select_related("run").filter(pk=step_id).first()
+    step = Step.objects.select_related("run", "run__workspace").filter(pk=step_id).first()
+    if step is not None:
+        logcontext.add(**log_fields(step))
+    return step
 
 
 def recover_expired(step_id: Any, *, actor: str = "sweeper") -> str:
+    with logcontext.bound(step_id=step_id):
+        return _recover_expired(step_id, actor=actor)
+
+
+def _recover_expired(step_id: Any, *, actor: str) -> str:
     """Acts on a step whose lease expired, by the table of DESIGN.md §7.
 
     Every move here also requires the lease to be expired still (`lease_expired_by`): a
@@ -125,6 +134,11 @@ def noted(reason: str, note: str) -> str:
 
 
 def reconcile(step_id: Any, *, actor: str = "sweeper", note: str = "") -> str:
+    with logcontext.bound(step_id=step_id):
+        return _reconcile(step_id, actor=actor, note=note)
+
+
+def _reconcile(step_id: Any, *, actor: str, note: str) -> str:
     """Asks the tool whether an `unknown` step's operation happened (DESIGN.md §7).
 
     found → verifying → completed; not_found from an authoritative lookup → pending with

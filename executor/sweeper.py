@@ -81,7 +81,9 @@ def isolated(action: Callable[..., str], step_id: Any, *, actor: str) -> bool:
     try:
         return action(step_id, actor=actor) != engine.Outcome.SKIPPED
     except Exception:
-        logger.exception("sweeper: %s failed on step %s", action.__name__, step_id)
+        logger.exception(
+            "sweeper: %s failed on step %s", action.__name__, step_id, extra={"step_id": step_id}
+        )
         return False
 
 

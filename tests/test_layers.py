@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             r"executor\.ticketdesk",
             r"executor\.dispatch",
             r"executor\.redaction",
+            r"executor\.logcontext",
             r"executor\.management(\.commands)?",
             r"console",
             r"console\.(settings|celery|broker|storage|http|asgi|wsgi)",
