@@ -37,6 +37,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy .
+	$(PY) manage.py makemigrations --check --dry-run
 
 .PHONY: test
 test: install lint

@@ -148,10 +148,6 @@ class Outcome:
 # --- the claim: a batch of due steps in one commit ----------------------------------------
 
 
-def due_now(now: datetime) -> Q:
-    return Q(not_before__isnull=True) | Q(not_before__lte=now)
-
-
 LIGHT_EFFECTS = (Effect.PURE, Effect.READ)
 
 
@@ -171,7 +167,7 @@ def _due_steps(*, light: int, writes: int, now: datetime) -> list[Step]:
     """Up to `light` due pure/read steps and `writes` due write steps of open runs, oldest
     first. The tool's effect comes from the Tool table (what decides is the registry's; this
     only sizes the batch)."""
-    due = Step.objects.filter(due_now(now), state=State.PENDING, run__status=RunStatus.OPEN)
+    due = Step.objects.due(now).of_open_runs()
     rows: list[Step] = []
     if light > 0:
         rows += _locked(due.filter(tool__effect__in=LIGHT_EFFECTS).order_by("not_before"))[:light]

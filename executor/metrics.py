@@ -100,10 +100,11 @@ class LedgerCollector(Collector):
         yield recoveries
 
     def oldest_due(self, now: datetime) -> Metric:
-        due = Q(not_before__isnull=True) | Q(not_before__lte=now)
-        oldest = Step.objects.filter(
-            due, state=State.PENDING, run__status=RunStatus.OPEN
-        ).aggregate(first=Min(Coalesce("not_before", "updated_at")))["first"]
+        oldest = (
+            Step.objects.due(now)
+            .of_open_runs()
+            .aggregate(first=Min(Coalesce("not_before", "updated_at")))["first"]
+        )
         age = (now - oldest).total_seconds() if oldest else 0.0
         return GaugeMetricFamily(
             "stepward_oldest_due_seconds",

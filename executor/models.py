@@ -6,6 +6,8 @@ import hashlib
 import json
 import secrets
 import uuid
+from collections.abc import Iterable
+from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
@@ -14,7 +16,7 @@ from django.db import models
 from django.db.models import Q
 from guardian.models import GroupObjectPermissionBase, UserObjectPermissionBase
 
-from executor.states import State
+from executor.states import LEASED, State
 
 # The tool contract's vocabulary: the Tool table mirrors what tools declare.
 from executor.tools.base import ApprovalRule, Effect, Idempotency
@@ -217,6 +219,35 @@ class Agent(models.Model):
         return token
 
 
+class StepQuerySet(models.QuerySet["Step"]):
+    """The step queries that recur, named once (as procrastinate's manager fronts jobs)."""
+
+    def due(self, now: datetime) -> StepQuerySet:
+        """Pending steps whose time has come."""
+        return self.filter(Q(not_before__isnull=True) | Q(not_before__lte=now), state=State.PENDING)
+
+    def of_open_runs(self) -> StepQuerySet:
+        return self.filter(run__status=RunStatus.OPEN)
+
+    def leases_expired(self, now: datetime) -> StepQuerySet:
+        """Steps a worker held whose lease ran out: recovery's work (DESIGN.md §7)."""
+        return self.filter(state__in=LEASED, lease_expires_at__lte=now)
+
+    def visible_to_agent(self, agent: Agent) -> StepQuerySet:
+        return self.filter(run__workspace_id=agent.workspace_id)
+
+    def in_workspaces(self, workspace_ids: Iterable[int]) -> StepQuerySet:
+        return self.filter(run__workspace_id__in=workspace_ids)
+
+
+class RunQuerySet(models.QuerySet["Run"]):
+    def visible_to_agent(self, agent: Agent) -> RunQuerySet:
+        return self.filter(workspace_id=agent.workspace_id)
+
+    def in_workspaces(self, workspace_ids: Iterable[int]) -> RunQuerySet:
+        return self.filter(workspace_id__in=workspace_ids)
+
+
 class RunStatus(models.TextChoices):
     OPEN = "open"
     PAUSED = "paused"
@@ -243,6 +274,8 @@ class Run(models.Model):
     version = models.PositiveIntegerField(default=1)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
+
+    objects = RunQuerySet.as_manager()
 
     class Meta:
         ordering = ["-created_at"]
@@ -303,6 +336,8 @@ class Step(models.Model):
 
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
+
+    objects = StepQuerySet.as_manager()
 
     class Meta:
         ordering = ["run", "position"]

@@ -17,11 +17,11 @@ from executor.states import State
 
 
 def runs_for_agent(*, agent: Agent) -> QuerySet[Run]:
-    return Run.objects.filter(workspace_id=agent.workspace_id)
+    return Run.objects.visible_to_agent(agent)
 
 
 def steps_for_agent(*, agent: Agent) -> QuerySet[Step]:
-    return Step.objects.filter(run__workspace_id=agent.workspace_id)
+    return Step.objects.visible_to_agent(agent)
 
 
 def run_counts(*, run: Run) -> dict[str, int]:
@@ -257,7 +257,7 @@ class InboxFilter:
 
 
 def _inbox_visible(workspace_ids: tuple[int, ...]) -> QuerySet[Step]:
-    return Step.objects.filter(state__in=INBOX_STATES, run__workspace_id__in=workspace_ids)
+    return Step.objects.in_workspaces(workspace_ids).filter(state__in=INBOX_STATES)
 
 
 def inbox_counts(*, inbox: InboxFilter, now: datetime | None = None) -> dict[str, dict[str, int]]:
@@ -308,7 +308,7 @@ def inbox_page(
 def paused_runs(
     *, workspace_ids: tuple[int, ...], workspace_id: int | None = None, limit: int = 10
 ) -> list[Run]:
-    runs = Run.objects.filter(workspace_id__in=workspace_ids, status=RunStatus.PAUSED)
+    runs = Run.objects.in_workspaces(workspace_ids).filter(status=RunStatus.PAUSED)
     if workspace_id is not None:
         runs = runs.filter(workspace_id=workspace_id)
     return list(runs.select_related("workspace", "agent").order_by("updated_at", "pk")[:limit])
@@ -321,8 +321,10 @@ def paused_run_counts(
     shown = (
         Count("pk") if workspace_id is None else Count("pk", filter=Q(workspace_id=workspace_id))
     )
-    row = Run.objects.filter(workspace_id__in=workspace_ids, status=RunStatus.PAUSED).aggregate(
-        all=Count("pk"), shown=shown
+    row = (
+        Run.objects.in_workspaces(workspace_ids)
+        .filter(status=RunStatus.PAUSED)
+        .aggregate(all=Count("pk"), shown=shown)
     )
     return {"all": row["all"] or 0, "shown": row["shown"] or 0}
 
@@ -333,7 +335,7 @@ def tool_names() -> list[str]:
 
 def steps_visible(*, step_ids: list[str], workspace_ids: tuple[int, ...]) -> dict[str, Step]:
     """The steps among `step_ids` that the reviewer may see, by id."""
-    steps = Step.objects.filter(pk__in=step_ids, run__workspace_id__in=workspace_ids)
+    steps = Step.objects.in_workspaces(workspace_ids).filter(pk__in=step_ids)
     return {str(step.pk): step for step in steps.select_related("run", "run__workspace")}
 
 
@@ -380,7 +382,7 @@ def runs_page(
     size: int = 25,
 ) -> tuple[list[Run], Cursor | None]:
     """Newest runs first with their step counts (one query), and the next page's cursor."""
-    runs = Run.objects.filter(workspace_id__in=workspace_ids)
+    runs = Run.objects.in_workspaces(workspace_ids)
     if workspace_id is not None:
         runs = runs.filter(workspace_id=workspace_id)
     if status:

@@ -660,7 +660,7 @@ def _decide(step: Step, target: State, *, user: User, reason: str, **kwargs: Any
         raise already_handled(step) from None
 
 
-def _approve(step: Step, *, user: User, reason: str, now: Any) -> Approval:
+def _approve(step: Step, *, user: User, reason: str, now: datetime) -> Approval:
     tool = get_tool(step.tool_id)
     Approval.objects.filter(step=step, consumed_at__isnull=True, revoked_at__isnull=True).update(
         revoked_at=now
@@ -808,7 +808,7 @@ def step_probe(*, step: Step, user: User, version: int, reason: str) -> str:
     return outcome
 
 
-def _replay_approval(step: Step, *, user: User, reason: str, now: Any) -> None:
+def _replay_approval(step: Step, *, user: User, reason: str, now: datetime) -> None:
     """A replay is a new execution: it needs an approval of its own."""
     if Approval.objects.filter(
         step=step, consumed_at__isnull=True, revoked_at__isnull=True
@@ -994,7 +994,7 @@ def run_already_handled(run: Run) -> AlreadyHandled:
     )
 
 
-def run_resume(*, run: Run, actor: str, reason: str, now: Any = None) -> None:
+def run_resume(*, run: Run, actor: str, reason: str, now: datetime | None = None) -> None:
     """paused → open, and every due step of the run is dispatched again."""
     now = now or timezone.now()
     Run.objects.filter(pk=run.pk, status=RunStatus.PAUSED).update(

@@ -92,9 +92,7 @@ def sweep_once(*, owner: str) -> SweepReport:
     now = timezone.now()
     actor = f"sweeper:{owner}"
 
-    expired = Step.objects.filter(
-        state__in=(State.RUNNING, State.VERIFYING), lease_expires_at__lte=now
-    ).values_list("pk", flat=True)[:BATCH]
+    expired = Step.objects.leases_expired(now).values_list("pk", flat=True)[:BATCH]
     for step_id in expired:
         if isolated(recovery.recover_expired, step_id, actor=actor):
             report.recovered += 1
@@ -129,12 +127,12 @@ def sweep_once(*, owner: str) -> SweepReport:
     # A due step untouched for a while has probably lost its message: send another.
     # A duplicate is harmless (the claim refuses it), a lost one only delays work.
     grace = timedelta(seconds=settings.EXECUTOR_REDISPATCH_AFTER)
-    lost = Step.objects.filter(
-        engine.due_now(now - grace),
-        state=State.PENDING,
-        updated_at__lte=now - grace,
-        run__status=RunStatus.OPEN,
-    ).values_list("pk", flat=True)[: BATCH * 4]
+    lost = (
+        Step.objects.due(now - grace)
+        .of_open_runs()
+        .filter(updated_at__lte=now - grace)
+        .values_list("pk", flat=True)[: BATCH * 4]
+    )
     lost_ids = list(lost)
     with transaction.atomic():
         dispatch.execute_many(lost_ids)
