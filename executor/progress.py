@@ -13,10 +13,7 @@ from django.utils import timezone
 
 from executor import dispatch, transitions
 from executor.models import Approval, Step
-from executor.states import State
-
-# A dependency in one of these will never complete: its dependents are cancelled.
-DEPENDENCY_DEAD_ENDS = frozenset({State.REJECTED, State.CANCELLED, State.COMPENSATED})
+from executor.states import DEPENDENCY_DEAD_ENDS, State
 
 
 def steps_completed(steps: Sequence[Step], *, now: datetime) -> None:

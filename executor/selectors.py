@@ -13,7 +13,7 @@ from django.db.models import Count, Q, QuerySet, Sum, TextChoices
 from django.utils import timezone
 
 from executor.models import Agent, Attempt, Event, Run, RunStatus, Step, Tool
-from executor.states import State
+from executor.states import CONFIRMED, ENDED_WITHOUT_EFFECT, INBOX, REPORT_SECTIONS, State
 
 
 def runs_for_agent(*, agent: Agent) -> QuerySet[Run]:
@@ -55,15 +55,6 @@ def run_attempt_usage(*, run: Run) -> dict[str, Any]:
         calls=Count("id"), cost=Sum("cost")
     )
     return {"calls": totals["calls"], "cost": float(totals["cost"] or Decimal(0))}
-
-
-REPORT_SECTIONS: dict[str, tuple[State, ...]] = {
-    "completed": (State.COMPLETED,),
-    "uncertain": (State.UNKNOWN, State.RUNNING, State.VERIFYING),
-    "failed": (State.FAILED, State.DEAD, State.BLOCKED, State.REJECTED, State.CANCELLED),
-    "compensated": (State.COMPENSATED,),
-    "pending": (State.PLANNED, State.APPROVED, State.PENDING),
-}
 
 
 def step_evidence(step: Step) -> dict[str, Any]:
@@ -123,9 +114,6 @@ def run_report(*, run: Run, external: bool = False) -> dict[str, Any]:
     report["usage"] = usage
     report["summary"] = report_summary(report)
     return report
-
-
-CONFIRMED = (State.COMPLETED, State.COMPENSATED)
 
 
 def external_usage(steps: list[Step]) -> dict[str, Any]:
@@ -199,7 +187,6 @@ INBOX_KIND_Q: dict[str, Q] = {
     InboxKind.DEAD: Q(state=State.DEAD),
     InboxKind.BLOCKED: Q(state=State.BLOCKED),
 }
-INBOX_STATES = (State.UNKNOWN, State.PLANNED, State.DEAD, State.BLOCKED)
 
 
 def inbox_kind_of(step: Step) -> str:
@@ -257,7 +244,7 @@ class InboxFilter:
 
 
 def _inbox_visible(workspace_ids: tuple[int, ...]) -> QuerySet[Step]:
-    return Step.objects.in_workspaces(workspace_ids).filter(state__in=INBOX_STATES)
+    return Step.objects.in_workspaces(workspace_ids).filter(state__in=INBOX)
 
 
 def inbox_counts(*, inbox: InboxFilter, now: datetime | None = None) -> dict[str, dict[str, int]]:
@@ -368,11 +355,6 @@ def step_timeline(*, step: Step) -> list[TimelineEntry]:
     return sorted(entries, key=order)
 
 
-REVIEW_STATES = (State.UNKNOWN, State.PLANNED, State.DEAD, State.BLOCKED)
-DONE_STATES = (State.COMPLETED, State.COMPENSATED)
-FAILED_STATES = (State.FAILED, State.REJECTED, State.CANCELLED)
-
-
 def runs_page(
     *,
     workspace_ids: tuple[int, ...],
@@ -395,9 +377,9 @@ def runs_page(
         runs.select_related("workspace", "agent")
         .annotate(
             steps_total=Count("steps"),
-            steps_done=Count("steps", filter=Q(steps__state__in=DONE_STATES)),
-            steps_waiting=Count("steps", filter=Q(steps__state__in=REVIEW_STATES)),
-            steps_failed=Count("steps", filter=Q(steps__state__in=FAILED_STATES)),
+            steps_done=Count("steps", filter=Q(steps__state__in=CONFIRMED)),
+            steps_waiting=Count("steps", filter=Q(steps__state__in=INBOX)),
+            steps_failed=Count("steps", filter=Q(steps__state__in=ENDED_WITHOUT_EFFECT)),
         )
         .order_by("-created_at", "-pk")[: size + 1]
     )

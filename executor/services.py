@@ -35,7 +35,7 @@ from executor.models import (
     call_hash,
     canonical_hash,
 )
-from executor.states import State
+from executor.states import CANCELLABLE, DEPENDENCY_DEAD_ENDS, State
 from executor.tools import http as http_tools
 from executor.tools.base import Tool as ToolContract
 from executor.tools.base import all_tools, get_tool
@@ -328,8 +328,7 @@ def run_cancel(*, run: Run, actor: str, reason: str = "") -> Run:
             locked.version += 1
             locked.save(update_fields=["status", "pause_reason", "version", "updated_at"])
             RunEvent.objects.create(run=locked, action="cancelled", actor=actor, reason=reason)
-        cancellable = (State.PLANNED, State.APPROVED, State.PENDING, State.BLOCKED)
-        for step in Step.objects.filter(run=locked, state__in=cancellable):
+        for step in Step.objects.filter(run=locked, state__in=CANCELLABLE):
             try:
                 transitions.move(
                     step, State.CANCELLED, actor=actor, reason=reason or "run cancelled"
@@ -559,7 +558,7 @@ def _posted_history(
         )
     )
     states = {k: (known.get(k) or seen[k]).state for k in step.depends_on}
-    dead_ends = [k for k in step.depends_on if states[k] in progress.DEPENDENCY_DEAD_ENDS]
+    dead_ends = [k for k in step.depends_on if states[k] in DEPENDENCY_DEAD_ENDS]
     if dead_ends:
         history.append(
             transitions.Posted(

@@ -64,13 +64,55 @@ ALLOWED: dict[State, frozenset[State]] = {
     S.COMPENSATED: frozenset(),
 }
 
+# --- the groups of states, each named once (STYLE.md) ------------------------------------------
+
+# No move leads out of these.
 TERMINAL: frozenset[State] = frozenset(s for s, targets in ALLOWED.items() if not targets)
-# States in which a worker holds the lease.
+# A worker holds the lease.
 LEASED: frozenset[State] = frozenset({S.RUNNING, S.VERIFYING})
-# States that wait for a person (DESIGN.md §12).
+# The engine moves the step on by itself: pages showing it refresh themselves.
+IN_FLIGHT: frozenset[State] = frozenset({S.APPROVED, S.PENDING, S.RUNNING, S.VERIFYING})
+# Not at an outcome yet: on its way, or waiting for its approval.
+IN_PROGRESS: frozenset[State] = IN_FLIGHT | {S.PLANNED}
+# At an outcome, or waiting for a person to decide one: what an agent's wait returns.
+SETTLED: frozenset[State] = frozenset(State) - IN_PROGRESS
+# A person must decide (DESIGN.md §12).
 NEEDS_REVIEW: frozenset[State] = frozenset({S.UNKNOWN, S.DEAD, S.BLOCKED})
-# Final for the agent's purposes: nothing more will happen without a person.
-SETTLED: frozenset[State] = TERMINAL | frozenset({S.COMPLETED, S.FAILED, S.DEAD})
+# What the inbox lists: the above, and planned steps awaiting approval.
+INBOX: frozenset[State] = NEEDS_REVIEW | {S.PLANNED}
+# The effect happened and is confirmed.
+CONFIRMED: frozenset[State] = frozenset({S.COMPLETED, S.COMPENSATED})
+# Over, and the ledger records no effect (a dead letter may still be replayed).
+ENDED_WITHOUT_EFFECT: frozenset[State] = frozenset({S.FAILED, S.REJECTED, S.CANCELLED})
+# A dependency in one of these will never complete: its dependents are cancelled.
+DEPENDENCY_DEAD_ENDS: frozenset[State] = frozenset({S.REJECTED, S.CANCELLED, S.COMPENSATED})
+# Nothing was submitted yet: cancelling the run cancels these.
+CANCELLABLE: frozenset[State] = frozenset({S.PLANNED, S.APPROVED, S.PENDING, S.BLOCKED})
+
+# The run report's sections (DESIGN.md §12): every state in exactly one.
+REPORT_SECTIONS: dict[str, tuple[State, ...]] = {
+    "completed": (S.COMPLETED,),
+    "uncertain": (S.UNKNOWN, S.RUNNING, S.VERIFYING),
+    "failed": (S.FAILED, S.DEAD, S.BLOCKED, S.REJECTED, S.CANCELLED),
+    "compensated": (S.COMPENSATED,),
+    "pending": (S.PLANNED, S.APPROVED, S.PENDING),
+}
+# A run's progress bar, from done through in flight to what needs a person: every state once.
+PROGRESS_ORDER: tuple[State, ...] = (
+    S.COMPLETED,
+    S.COMPENSATED,
+    S.VERIFYING,
+    S.RUNNING,
+    S.PENDING,
+    S.APPROVED,
+    S.PLANNED,
+    S.UNKNOWN,
+    S.BLOCKED,
+    S.DEAD,
+    S.FAILED,
+    S.REJECTED,
+    S.CANCELLED,
+)
 
 
 def is_allowed(source: State | str, target: State | str) -> bool:

@@ -6,7 +6,24 @@ from collections import deque
 
 import pytest
 
-from executor.states import ALLOWED, LEASED, NEEDS_REVIEW, SETTLED, TERMINAL, State, is_allowed
+from executor import client
+from executor.states import (
+    ALLOWED,
+    CANCELLABLE,
+    CONFIRMED,
+    ENDED_WITHOUT_EFFECT,
+    IN_FLIGHT,
+    IN_PROGRESS,
+    INBOX,
+    LEASED,
+    NEEDS_REVIEW,
+    PROGRESS_ORDER,
+    REPORT_SECTIONS,
+    SETTLED,
+    TERMINAL,
+    State,
+    is_allowed,
+)
 
 
 def reachable(start: State) -> set[State]:
@@ -40,7 +57,36 @@ def test_terminal_states_are_exactly_rejected_cancelled_and_compensated() -> Non
 def test_leased_review_and_settled_sets_are_what_the_design_says() -> None:
     assert {State.RUNNING, State.VERIFYING} == LEASED
     assert {State.UNKNOWN, State.DEAD, State.BLOCKED} == NEEDS_REVIEW
-    assert TERMINAL | {State.COMPLETED, State.FAILED, State.DEAD} == SETTLED
+    assert NEEDS_REVIEW | {State.PLANNED} == INBOX
+    # Settled: at an outcome or waiting for a person; the rest moves on by itself or awaits
+    # its approval.
+    assert {State.PLANNED, State.APPROVED, State.PENDING, *LEASED} == IN_PROGRESS
+    assert set(State) - IN_PROGRESS == SETTLED
+    assert TERMINAL <= SETTLED
+    assert NEEDS_REVIEW <= SETTLED
+    assert IN_PROGRESS - {State.PLANNED} == IN_FLIGHT
+
+
+def test_the_report_sections_partition_the_states() -> None:
+    sections = [state for states in REPORT_SECTIONS.values() for state in states]
+    assert sorted(sections) == sorted(State)
+
+
+def test_the_progress_bar_shows_every_state_once() -> None:
+    assert sorted(PROGRESS_ORDER) == sorted(State)
+
+
+def test_nothing_cancellable_was_submitted_and_nothing_confirmed_ended_without_effect() -> None:
+    assert not CANCELLABLE & (LEASED | CONFIRMED | TERMINAL)
+    assert not CONFIRMED & ENDED_WITHOUT_EFFECT
+    assert ENDED_WITHOUT_EFFECT <= SETTLED
+
+
+def test_the_clients_copy_of_the_states_is_the_ledgers() -> None:
+    # executor/client.py stands alone (copied into agents): its copy is checked here.
+    assert {state.value for state in State} == client.STATES
+    assert {state.value for state in IN_PROGRESS} == client.IN_PROGRESS
+    assert {state.value for state in SETTLED} == client.SETTLED
 
 
 def test_every_state_is_reachable_from_planned() -> None:
