@@ -172,6 +172,8 @@ EXECUTOR_LEASE_SECONDS = env_int("EXECUTOR_LEASE_SECONDS", 60)
 # event written before the change. Defaults to a value derived from SECRET_KEY.
 EXECUTOR_LEDGER_KEY = os.environ.get("EXECUTOR_LEDGER_KEY") or f"ledger:{SECRET_KEY}"
 EXECUTOR_APPROVAL_MAX_AGE = env_int("EXECUTOR_APPROVAL_MAX_AGE", 24 * 3600)
+# Four eyes: who requested a step (a compensation) may not approve it, unless this is on.
+EXECUTOR_ALLOW_SELF_APPROVAL = env_bool("EXECUTOR_ALLOW_SELF_APPROVAL", False)
 EXECUTOR_ALLOW_FAULTS = env_bool("EXECUTOR_ALLOW_FAULTS", False)
 EXECUTOR_FAULTS = os.environ.get("EXECUTOR_FAULTS", "")
 EXECUTOR_SWEEP_SECONDS = float(os.environ.get("EXECUTOR_SWEEP_SECONDS", "5"))

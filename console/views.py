@@ -137,6 +137,7 @@ NAV_LABELS = {
     InboxKind.COMPENSATION: "to undo",
     InboxKind.DEAD: "dead",
     InboxKind.BLOCKED: "blocked",
+    InboxKind.FAILED_COMPENSATION: "undo failed",
     PAUSED_RUNS: "paused",
 }
 

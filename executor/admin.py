@@ -32,12 +32,13 @@ from executor.models import (
     Run,
     Step,
     Tool,
+    ToolPolicy,
     Workspace,
 )
 from executor.redaction import redact
 from executor.states import NEEDS_REVIEW
 from executor.tools import http as http_tools
-from executor.tools.base import all_tools, get_tool
+from executor.tools.base import all_tools, find_tool
 
 # --- helpers ----------------------------------------------------------------------------
 
@@ -125,13 +126,27 @@ def console_url(name: str, pk: Any) -> str:
     return reverse(name, args=[pk])
 
 
+class ToolPolicyInline(admin.TabularInline):
+    """Which tools need a person's approval in this workspace (issue 11)."""
+
+    model = ToolPolicy
+    extra = 0
+    fields = ["tool", "approval", "destructive", "irreversible", "cost_above"]
+    autocomplete_fields = ["tool"]
+    verbose_name = "approval policy"
+    verbose_name_plural = (
+        "Approval policies (tools without one follow their own declaration; changing one "
+        "voids the approvals given under the old one)"
+    )
+
+
 @admin.register(Workspace)
 class WorkspaceAdmin(GuardedModelAdmin):
     list_display = ["slug", "name", "agent_count", "run_count", "created_at"]
     list_filter = ["created_at"]
     search_fields = ["slug", "name"]
     prepopulated_fields = {"slug": ["name"]}
-    inlines = [AgentInline]
+    inlines = [ToolPolicyInline, AgentInline]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Workspace]:
         return (
@@ -204,10 +219,8 @@ class ToolAdmin(GuardedModelAdmin):
 
     @admin.display(description="description")
     def description(self, tool: Tool) -> str:
-        try:
-            return get_tool(tool.name).description or "-"
-        except LookupError:
-            return "no longer registered"
+        registered = find_tool(tool.name)
+        return (registered.description or "-") if registered else "no longer registered"
 
     @admin.display(description="compensation", ordering="compensation")
     def reversible(self, tool: Tool) -> str:
@@ -289,6 +302,18 @@ class HttpToolSpecAdmin(admin.ModelAdmin):
     def delete_model(self, request: HttpRequest, obj: HttpToolSpec) -> None:
         super().delete_model(request, obj)
         services.tools_sync()
+
+
+@admin.register(ToolPolicy)
+class ToolPolicyAdmin(admin.ModelAdmin):
+    """Whether a person approves each call of a tool in a workspace: `always`, `never`, or
+    `by_policy` with its rules. Without a policy, the tool's own declaration holds."""
+
+    list_display = ["tool", "workspace", "approval", "destructive", "irreversible", "cost_above"]
+    list_filter = ["approval", "workspace"]
+    search_fields = ["tool__name", "workspace__slug"]
+    autocomplete_fields = ["workspace", "tool"]
+    fields = ["workspace", "tool", "approval", "destructive", "irreversible", "cost_above"]
 
 
 # --- agents -----------------------------------------------------------------------------
@@ -650,11 +675,8 @@ class StepAdmin(ReadOnlyAdmin):
 
     @admin.display(description="input")
     def pretty_input(self, step: Step) -> str:
-        try:
-            fields = get_tool(step.tool_id).redact
-        except LookupError:
-            fields = frozenset()
-        return pretty_json(step.input, fields=fields)
+        tool = find_tool(step.tool_id)
+        return pretty_json(step.input, fields=tool.redact if tool else frozenset())
 
     @admin.display(description="result")
     def pretty_result(self, step: Step) -> str:

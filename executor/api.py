@@ -19,7 +19,6 @@ from django.conf import settings
 from django.db.models import QuerySet
 from django.http import Http404, HttpRequest, HttpResponse
 from django.utils import timezone
-from guardian.shortcuts import get_objects_for_user
 from ninja import NinjaAPI, Path, Query, Status
 from ninja.errors import AuthenticationError, HttpError, Throttled, ValidationError
 from ninja.parser import Parser
@@ -29,7 +28,7 @@ from ninja.types import DictStrAny
 
 from executor import logcontext, selectors, services
 from executor.http import ERROR_CODES, error_response
-from executor.models import Agent, Run, Step, Tool, hash_token
+from executor.models import Agent, Run, Step, hash_token
 from executor.redaction import redact
 from executor.schemas import (
     MAX_INT,
@@ -45,7 +44,6 @@ from executor.schemas import (
     StepsBatchOut,
     ToolOut,
 )
-from executor.tools.base import all_tools
 
 # Writing `last_seen_at` on every request would turn every read into a write.
 LAST_SEEN_EVERY = timedelta(minutes=1)
@@ -357,30 +355,21 @@ StepId = Annotated[str, Path(description="The step's id (a UUID).")]
 )
 def tools_list(request: HttpRequest) -> list[dict[str, Any]]:
     agent = _agent(request)
-    # guardian's object permissions, as step_post checks them, in one query.
-    usable = set(
-        get_objects_for_user(
-            agent.user,
-            "executor.use_tool",
-            klass=Tool.objects.filter(registered=True),
-            accept_global_perms=False,
-        ).values_list("name", flat=True)
-    )
     return [
         {
-            "name": tool.name,
-            "description": tool.description,
-            "effect": tool.effect,
-            "idempotency": tool.idempotency,
-            "has_lookup": tool.has_lookup(),
-            "compensation": tool.compensation,
-            "requires_approval": tool.needs_approval(),
-            "approval_rule": tool.requires_approval,
-            "retry": tool.retry.as_dict(),
-            "input_schema": tool.input_schema,
-            "usable": tool.name in usable,
+            "name": info.name,
+            "description": info.description,
+            "effect": info.effect,
+            "idempotency": info.idempotency,
+            "has_lookup": info.has_lookup,
+            "compensation": info.compensation,
+            "requires_approval": info.needs_approval,
+            "approval_rule": info.approval_rule,
+            "retry": info.retry,
+            "input_schema": info.input_schema,
+            "usable": info.usable,
         }
-        for tool in all_tools()
+        for info in selectors.tool_infos(workspace_id=agent.workspace_id, user_id=agent.user_id)
     ]
 
 

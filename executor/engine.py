@@ -56,7 +56,7 @@ from executor.tools.base import (
     Tool,
     ToolError,
     ToolResult,
-    get_tool,
+    find_tool,
 )
 
 logger = logging.getLogger(__name__)
@@ -84,14 +84,6 @@ def is_light(tool: Tool) -> bool:
 def safe_to_repeat(tool: Tool) -> bool:
     """May a submission that might have happened be sent again? (DESIGN.md §7)"""
     return is_light(tool) or tool.idempotency == Idempotency.KEY
-
-
-def find_tool(name: str) -> Tool | None:
-    """The registered tool, or None where this process does not know it."""
-    try:
-        return get_tool(name)
-    except LookupError:
-        return None
 
 
 def invocation(step: Step, fence: int, attempt: int) -> Invocation:

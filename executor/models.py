@@ -19,7 +19,7 @@ from guardian.models import GroupObjectPermissionBase, UserObjectPermissionBase
 from executor.states import LEASED, State
 
 # The tool contract's vocabulary: the Tool table mirrors what tools declare.
-from executor.tools.base import ApprovalRule, Effect, Idempotency
+from executor.tools.base import ApprovalPolicy, ApprovalRule, Effect, Idempotency
 
 # Integers beyond this are compared as the floats JSON stores them as (jsonb normalizes).
 EXACT_INTEGERS = 2**53
@@ -172,6 +172,64 @@ class HttpToolSpec(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+
+class ToolPolicy(models.Model):
+    """Whether a person approves each call of a tool in one workspace (issue 11): set in
+    admin or with `manage.py tool_policy`; without one, the tool's own declaration holds.
+
+    Part of the policy version that every approval is bound to, so changing it makes the
+    approvals given under the old one authorize nothing (DESIGN.md §9).
+    """
+
+    workspace = models.ForeignKey(Workspace, on_delete=models.CASCADE, related_name="policies")
+    tool = models.ForeignKey(Tool, on_delete=models.CASCADE, related_name="policies")
+    approval = models.CharField(
+        max_length=20,
+        choices=ApprovalRule.choices,
+        default=ApprovalRule.BY_POLICY,
+        help_text="always: every call waits for a person; never: none does; by_policy: "
+        "the rules below decide.",
+    )
+    destructive = models.BooleanField(default=True, help_text="Destructive effects need a person.")
+    irreversible = models.BooleanField(
+        default=True, help_text="Writes nothing can undo (no compensation) need a person."
+    )
+    cost_above = models.DecimalField(
+        max_digits=14,
+        decimal_places=4,
+        null=True,
+        blank=True,
+        help_text="Calls the tool estimates to cost more than this need a person.",
+    )
+    # `ApprovalPolicy.encoded()`, kept in step with the fields on save: authorization reads
+    # it with the agents' grants, in the same query.
+    encoded = models.CharField(max_length=100, editable=False)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["workspace", "tool"]
+        verbose_name_plural = "tool policies"
+        constraints = [
+            models.UniqueConstraint(fields=["workspace", "tool"], name="toolpolicy_unique"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tool_id} in {self.workspace}: {self.approval}"
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        self.encoded = self.policy().encoded()
+        if "update_fields" in kwargs and kwargs["update_fields"] is not None:
+            kwargs["update_fields"] = {*kwargs["update_fields"], "encoded"}
+        super().save(*args, **kwargs)
+
+    def policy(self) -> ApprovalPolicy:
+        return ApprovalPolicy(
+            rule=ApprovalRule(self.approval),
+            destructive=self.destructive,
+            irreversible=self.irreversible,
+            cost_above=self.cost_above,
+        )
 
 
 class ToolUserObjectPermission(UserObjectPermissionBase):

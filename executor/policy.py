@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -23,10 +24,12 @@ from executor.models import (
     Step,
     Tool,
     ToolGroupObjectPermission,
+    ToolPolicy,
     ToolUserObjectPermission,
     WorkspaceGroupObjectPermission,
     WorkspaceUserObjectPermission,
 )
+from executor.tools.base import ApprovalPolicy
 from executor.tools.base import Tool as ToolContract
 
 
@@ -61,6 +64,8 @@ WORKSPACE_CODENAMES = ("submit_steps", "approve_steps", "approve_compensation")
 # Rows of `grants` that are not permissions: the tool is registered; the user is a superuser.
 REGISTERED = "registered"
 SUPERUSER = "superuser"
+# A workspace's approval policy for a tool: this prefix, then ApprovalPolicy.encoded().
+POLICY = "policy:"
 
 
 @dataclass
@@ -84,6 +89,23 @@ class Facts:
 
     def registered(self, tool: str) -> bool:
         return (0, REGISTERED, None, tool) in self.grants
+
+    def approval_policy(self, workspace_id: int, tool: ToolContract) -> ApprovalPolicy | None:
+        """The workspace's own approval policy for the tool, None where it has none."""
+        for _, codename, workspace, name in self.grants:
+            if codename.startswith(POLICY) and workspace == workspace_id and name == tool.name:
+                return ApprovalPolicy.decoded(codename.removeprefix(POLICY))
+        return None
+
+    def needs_person(self, workspace_id: int, tool: ToolContract, input: Any) -> bool:
+        """Whether a person must approve this call of `tool` in the workspace."""
+        policy = self.approval_policy(workspace_id, tool)
+        if policy is None:
+            return tool.needs_approval(input)
+        return policy.needs_person(tool, input)
+
+    def approval_version(self, workspace_id: int, tool: ToolContract) -> str:
+        return approval_version(tool, self.approval_policy(workspace_id, tool))
 
 
 def read_facts(steps: Sequence[Step]) -> Facts:
@@ -123,8 +145,6 @@ def grants(
     longer to build this union than the database took to answer it.
     """
     users, workspaces, tools = list(users), list(workspaces), list(tools)
-    if not users:
-        return set()
     user_model = get_user_model()
     tables = {
         "wu": WorkspaceUserObjectPermission._meta.db_table,
@@ -135,6 +155,7 @@ def grants(
         "user": user_model._meta.db_table,
         "member": user_model.groups.through._meta.db_table,
         "perm": Permission._meta.db_table,
+        "policy": ToolPolicy._meta.db_table,
     }
 
     def marks(values: list[Any]) -> str:
@@ -166,7 +187,11 @@ def grants(
         f"WHERE t.name IN ({t}) AND t.registered = %s "
         "UNION ALL "
         f"SELECT x.id, '{SUPERUSER}', NULL, '' FROM {{user}} x "
-        f"WHERE x.id IN ({u}) AND x.is_superuser = %s AND x.is_active = %s"
+        f"WHERE x.id IN ({u}) AND x.is_superuser = %s AND x.is_active = %s "
+        "UNION ALL "
+        f"SELECT 0, '{POLICY}' || p.encoded, p.workspace_id, t.name "
+        "FROM {policy} p JOIN {tool} t ON t.id = p.tool_id "
+        f"WHERE p.workspace_id IN ({w}) AND t.name IN ({t})"
     ).format(**{name: connection.ops.quote_name(table) for name, table in tables.items()})
     codenames = list(WORKSPACE_CODENAMES)
     params: list[Any] = [
@@ -176,10 +201,25 @@ def grants(
         *users, *tools,
         *tools, True,
         *users, True, True,
+        *workspaces, *tools,
     ]  # fmt: skip
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         return {(row[0], row[1], row[2], row[3]) for row in cursor.fetchall()}
+
+
+def approval_version(tool: ToolContract, policy: ApprovalPolicy | None) -> str:
+    """What an approval is bound to: the tool's declarations and the workspace's approval
+    policy for it, if any. A change to either makes earlier approvals authorize nothing."""
+    if policy is None:
+        return tool.policy_version()
+    text = f"{tool.policy_version()}|{policy.encoded()}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def workspace_facts(workspace_id: int, tools: Iterable[str]) -> Facts:
+    """The workspace's approval policies for `tools` (one query), for reviewers' services."""
+    return Facts(grants=grants(users=[], workspaces=[workspace_id], tools=tools))
 
 
 def approval_problem(
@@ -190,7 +230,7 @@ def approval_problem(
         return "no valid approval"
     if approval.input_hash != step.input_hash or approval.tool != step.tool_id:
         return "the approval does not match this call"
-    if approval.policy_version != tool.policy_version():
+    if approval.policy_version != facts.approval_version(step.run.workspace_id, tool):
         return "the tool's policy changed since the approval"
     if approval.approver_id is not None:
         approver = approval.approver

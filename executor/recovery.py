@@ -24,7 +24,7 @@ from executor.engine import (
 )
 from executor.models import Attempt, Phase, Step
 from executor.states import State
-from executor.tools.base import FailureClass, Lookup, LookupOutcome
+from executor.tools.base import FailureClass, Lookup, LookupOutcome, Tool, get_tool
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +133,24 @@ def noted(reason: str, note: str) -> str:
     return f"{reason}: {note}" if note else reason
 
 
+def look_up(step: Step, tool: Tool | None = None) -> Lookup:
+    """Asks the tool's system of record whether the step's operation happened (redacted;
+    an error is "cannot tell"). The tool must have a lookup."""
+    tool = tool or get_tool(step.tool_id)
+    redactor = tool.redactor(step.input)
+    try:
+        # One fence above the last attempt's: a tool that checks fences then refuses a
+        # slow request of that attempt arriving after our "not found" (DESIGN.md §7).
+        found = tool.lookup(invocation(step, step.fence + 1, step.attempt_count))
+    except Exception as error:  # noqa: BLE001 - a failed lookup tells nothing
+        why = redactor.text(str(error))[:500]
+        logger.warning("lookup of %s failed: %s", step.pk, why)
+        found = Lookup(LookupOutcome.CANNOT_TELL, evidence={"error": why})
+    found.result = redactor(found.result)
+    found.evidence = redactor(found.evidence)
+    return found
+
+
 def reconcile(step_id: Any, *, actor: str = "sweeper", note: str = "") -> str:
     with logcontext.bound(step_id=step_id):
         return _reconcile(step_id, actor=actor, note=note)
@@ -153,17 +171,7 @@ def _reconcile(step_id: Any, *, actor: str, note: str) -> str:
         # Nothing this process can ask: stop scheduling lookups; a person has it.
         Step.objects.filter(pk=step.pk, version=step.version).update(not_before=None)
         return Outcome.SKIPPED
-    redactor = tool.redactor(step.input)
-    try:
-        # One fence above the last attempt's: a tool that checks fences then refuses a
-        # slow request of that attempt arriving after our "not found" (DESIGN.md §7).
-        found = tool.lookup(invocation(step, step.fence + 1, step.attempt_count))
-    except Exception as error:  # noqa: BLE001 - a failed lookup tells nothing
-        why = redactor.text(str(error))[:500]
-        logger.warning("lookup of %s failed: %s", step.pk, why)
-        found = Lookup(LookupOutcome.CANNOT_TELL, evidence={"error": why})
-    found.result = redactor(found.result)
-    found.evidence = redactor(found.evidence)
+    found = look_up(step, tool)
     now = timezone.now()
     try:
         with transaction.atomic():

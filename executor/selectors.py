@@ -12,8 +12,11 @@ from typing import Any
 from django.db.models import Count, Q, QuerySet, Sum, TextChoices
 from django.utils import timezone
 
+from executor import policy
 from executor.models import Agent, Attempt, Event, Run, RunStatus, Step, Tool
 from executor.states import CONFIRMED, ENDED_WITHOUT_EFFECT, INBOX, REPORT_SECTIONS, State
+from executor.tools.base import Tool as ToolContract
+from executor.tools.base import all_tools, find_tool
 
 
 def runs_for_agent(*, agent: Agent) -> QuerySet[Run]:
@@ -122,16 +125,13 @@ def external_usage(steps: list[Step]) -> dict[str, Any]:
     It agrees when every confirmed step has its one effect there, no operation has more
     than one, and only `unknown` steps may account for the rest.
     """
-    from executor.tools.base import get_tool
-
     by_tool: dict[str, list[Step]] = {}
     for step in steps:
         by_tool.setdefault(step.tool_id, []).append(step)
     answer: dict[str, Any] = {}
     for name, tool_steps in sorted(by_tool.items()):
-        try:
-            tool = get_tool(name)
-        except LookupError:
+        tool = find_tool(name)
+        if tool is None:
             continue
         counted = tool.effects_counted([str(s.operation_id) for s in tool_steps])
         if counted is None:
@@ -178,20 +178,29 @@ class InboxKind(TextChoices):
     COMPENSATION = "compensation", "Compensation requests"
     DEAD = "dead", "Dead letters"
     BLOCKED = "blocked", "Blocked"
+    FAILED_COMPENSATION = "failed_compensation", "Failed compensations"
 
 
+# A compensation that failed while the effect it should undo still stands: a person must
+# know (replay it, or request another).
+FAILED_COMPENSATION = Q(
+    state=State.FAILED, compensates__isnull=False, compensates__state=State.COMPLETED
+)
 INBOX_KIND_Q: dict[str, Q] = {
     InboxKind.UNKNOWN: Q(state=State.UNKNOWN),
     InboxKind.APPROVAL: Q(state=State.PLANNED, compensates__isnull=True),
     InboxKind.COMPENSATION: Q(state=State.PLANNED, compensates__isnull=False),
     InboxKind.DEAD: Q(state=State.DEAD),
     InboxKind.BLOCKED: Q(state=State.BLOCKED),
+    InboxKind.FAILED_COMPENSATION: FAILED_COMPENSATION,
 }
 
 
 def inbox_kind_of(step: Step) -> str:
     if step.state == State.PLANNED:
         return InboxKind.COMPENSATION if step.compensates_id else InboxKind.APPROVAL
+    if step.state == State.FAILED:
+        return InboxKind.FAILED_COMPENSATION
     return str(step.state)
 
 
@@ -244,7 +253,9 @@ class InboxFilter:
 
 
 def _inbox_visible(workspace_ids: tuple[int, ...]) -> QuerySet[Step]:
-    return Step.objects.in_workspaces(workspace_ids).filter(state__in=INBOX)
+    return Step.objects.in_workspaces(workspace_ids).filter(
+        Q(state__in=INBOX) | FAILED_COMPENSATION
+    )
 
 
 def inbox_counts(*, inbox: InboxFilter, now: datetime | None = None) -> dict[str, dict[str, int]]:
@@ -314,6 +325,89 @@ def paused_run_counts(
         .aggregate(all=Count("pk"), shown=shown)
     )
     return {"all": row["all"] or 0, "shown": row["shown"] or 0}
+
+
+@dataclass(frozen=True)
+class ToolInfo:
+    """What the API, the console and admin show of a tool, as one workspace sees it."""
+
+    name: str
+    description: str
+    effect: str
+    idempotency: str
+    has_lookup: bool
+    lookup_authoritative: bool
+    compensation: str
+    # The approval rule in force in the workspace (its own policy, or the declaration's)
+    # and whether a call with no particular input needs a person under it.
+    approval_rule: str
+    needs_approval: bool
+    policy_version: str
+    retry: dict[str, Any]
+    input_schema: dict[str, Any]
+    registered: bool = True
+    usable: bool = False
+
+
+def tool_infos(*, workspace_id: int, user_id: int | None = None) -> list[ToolInfo]:
+    """Every registered tool as the workspace sees it, and whether `user_id` (an agent's
+    user) may use it: one query."""
+    tools = all_tools()
+    facts = policy.Facts(
+        grants=policy.grants(
+            users=[user_id] if user_id is not None else [],
+            workspaces=[workspace_id],
+            tools=[tool.name for tool in tools],
+        )
+    )
+    return [_info(tool, facts, workspace_id, user_id) for tool in tools]
+
+
+def tool_info(*, name: str, workspace_id: int) -> ToolInfo:
+    """One tool as the workspace sees it; one no longer registered from its Tool row."""
+    tool = find_tool(name)
+    if tool is None:
+        row = Tool.objects.get(name=name)
+        return ToolInfo(
+            name=row.name,
+            description="",
+            effect=row.effect,
+            idempotency=row.idempotency,
+            has_lookup=row.has_lookup,
+            lookup_authoritative=False,
+            compensation=row.compensation,
+            approval_rule=row.requires_approval,
+            needs_approval=True,
+            policy_version=row.policy_version,
+            retry={},
+            input_schema={},
+            registered=False,
+        )
+    facts = policy.workspace_facts(workspace_id, [name])
+    return _info(tool, facts, workspace_id, None)
+
+
+def _info(
+    tool: ToolContract, facts: policy.Facts, workspace_id: int, user_id: int | None
+) -> ToolInfo:
+    own = facts.approval_policy(workspace_id, tool)
+    return ToolInfo(
+        name=tool.name,
+        description=tool.description,
+        effect=str(tool.effect),
+        idempotency=str(tool.idempotency),
+        has_lookup=tool.has_lookup(),
+        lookup_authoritative=tool.lookup_authoritative,
+        compensation=tool.compensation,
+        approval_rule=str(own.rule if own else tool.requires_approval),
+        needs_approval=facts.needs_person(workspace_id, tool, None),
+        policy_version=facts.approval_version(workspace_id, tool),
+        retry=tool.retry.as_dict(),
+        input_schema=tool.input_schema,
+        usable=user_id is not None
+        and facts.registered(tool.name)
+        and facts.holds(user_id, "use_tool", tool=tool.name),
+    )
 
 
 def tool_names() -> list[str]:

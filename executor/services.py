@@ -24,6 +24,7 @@ from executor.models import (
     Agent,
     Approval,
     Effect,
+    Event,
     HttpToolSpec,
     Idempotency,
     Run,
@@ -31,14 +32,15 @@ from executor.models import (
     RunStatus,
     Step,
     Tool,
+    ToolPolicy,
     Workspace,
     call_hash,
     canonical_hash,
 )
 from executor.states import CANCELLABLE, DEPENDENCY_DEAD_ENDS, State
 from executor.tools import http as http_tools
+from executor.tools.base import ApprovalRule, LookupOutcome, all_tools, find_tool, get_tool
 from executor.tools.base import Tool as ToolContract
-from executor.tools.base import all_tools, get_tool
 
 
 class ServiceError(Exception):
@@ -165,6 +167,47 @@ def http_tools_load(
         HttpToolSpec.objects.filter(name__in=report.removed).delete()
         tools_sync()
     return report
+
+
+def tool_policy_set(
+    *,
+    workspace: Workspace,
+    tool: str,
+    approval: str,
+    destructive: bool = True,
+    irreversible: bool = True,
+    cost_above: Decimal | None = None,
+) -> ToolPolicy | None:
+    """Sets whether a person approves each call of `tool` in `workspace` (issue 11);
+    `approval = "default"` removes the workspace's policy, so the tool's declaration holds.
+
+    Approvals given under the earlier policy no longer authorize anything (their policy
+    version changes). Returns the policy, or None for the default.
+    """
+    row = Tool.objects.filter(name=tool, registered=True).first()
+    if row is None:
+        raise Invalid(f"no such tool: {tool}", {"tool": tool})
+    if approval == "default":
+        ToolPolicy.objects.filter(workspace=workspace, tool=row).delete()
+        return None
+    if approval not in ApprovalRule.values:
+        raise Invalid(
+            f"approval must be default or one of {', '.join(ApprovalRule.values)}",
+            {"approval": approval},
+        )
+    if cost_above is not None and cost_above < 0:
+        raise Invalid("cost_above must not be negative", {"cost_above": str(cost_above)})
+    found, _ = ToolPolicy.objects.update_or_create(
+        workspace=workspace,
+        tool=row,
+        defaults={
+            "approval": approval,
+            "destructive": destructive,
+            "irreversible": irreversible,
+            "cost_above": cost_above,
+        },
+    )
+    return found
 
 
 # --- workspaces, agents and reviewers ----------------------------------------------------
@@ -426,13 +469,13 @@ def _steps_post_once(
 ) -> tuple[list[Step], list[bool]]:
     tools: list[ToolContract] = []
     for index, request in enumerate(requests):
-        try:
-            tools.append(get_tool(request.tool))
-        except LookupError:
+        tool = find_tool(request.tool)
+        if tool is None:
             raise _refused(
                 Invalid(f"unknown tool {request.tool!r}", {"tool": request.tool}),
                 index if batch else None,
-            ) from None
+            )
+        tools.append(tool)
     named = {r.key for r in requests} | {k for r in requests for k in r.depends_on}
     known = {step.key: step for step in Step.objects.filter(run=run, key__in=named).defer("input")}
     grants = policy.grants(
@@ -441,7 +484,8 @@ def _steps_post_once(
     may = policy.Facts(grants=grants)
 
     steps: list[Step] = []
-    new: list[tuple[Step, ToolContract, list[transitions.Posted]]] = []
+    # Each new step, the policy version that approved it (None: a person must), its history.
+    new: list[tuple[Step, str | None, list[transitions.Posted]]] = []
     seen: dict[str, Step] = {}
     now = timezone.now()
     actor = agent_actor(agent)
@@ -473,7 +517,12 @@ def _steps_post_once(
             input_summary=summary_of(request, tool),
             depends_on=depends_on,
         )
-        new.append((step, tool, _posted_history(step, tool, known, seen, actor=actor, now=now)))
+        needs_person = may.needs_person(run.workspace_id, tool, request.input)
+        version = may.approval_version(run.workspace_id, tool)
+        history = _posted_history(
+            step, known, seen, needs_person=needs_person, version=version, actor=actor, now=now
+        )
+        new.append((step, None if needs_person else version, history))
         steps.append(step)
         seen[request.key] = step
     made = {step.pk for step, _, _ in new}
@@ -483,9 +532,9 @@ def _steps_post_once(
     with transaction.atomic():
         transitions.insert_many([(step, history) for step, _, history in new], now=now)
         Approval.objects.bulk_create(
-            policy_approval(step=step, tool=tool, now=now)
-            for step, tool, _ in new
-            if not tool.needs_approval()
+            policy_approval(step=step, version=version, now=now)
+            for step, version, _ in new
+            if version is not None
         )
         dispatch.execute_many([step.pk for step, _, _ in new if step.state == State.PENDING])
     return steps, created
@@ -536,25 +585,26 @@ def _check_new_step(
 
 def _posted_history(
     step: Step,
-    tool: ToolContract,
     known: dict[str, Step],
     seen: dict[str, Step],
     *,
+    needs_person: bool,
+    version: str,
     actor: str,
     now: datetime,
 ) -> list[transitions.Posted]:
     """The states a new step passes through as it is recorded, as separate moves would:
-    posted; approved by the tool's policy (unless a person must approve it); pending once
-    its dependencies are completed, or cancelled if one never will be."""
+    posted; approved by the policy (unless a person must approve it); pending once its
+    dependencies are completed, or cancelled if one never will be."""
     history = [transitions.Posted(State.PLANNED, actor, "posted by the agent")]
-    if tool.needs_approval():
+    if needs_person:
         return history
     history.append(
         transitions.Posted(
             State.APPROVED,
             "policy",
             "the tool's policy needs no approval",
-            {"policy_version": tool.policy_version()},
+            {"policy_version": version},
         )
     )
     states = {k: (known.get(k) or seen[k]).state for k in step.depends_on}
@@ -586,13 +636,13 @@ def _same_step_or_conflict(existing: Step, input_hash: str, depends_on: list[str
     )
 
 
-def policy_approval(*, step: Step, tool: ToolContract, now: datetime) -> Approval:
-    """The record that the tool's policy approved this exact call (no person needed)."""
+def policy_approval(*, step: Step, version: str, now: datetime) -> Approval:
+    """The record that the policy (`version`) approved this exact call: no person needed."""
     return Approval(
         step=step,
         input_hash=step.input_hash,
         tool=step.tool_id,
-        policy_version=tool.policy_version(),
+        policy_version=version,
         approver=None,
         reason="the tool's policy needs no approval",
         approved_at=now,
@@ -600,9 +650,21 @@ def policy_approval(*, step: Step, tool: ToolContract, now: datetime) -> Approva
 
 
 def step_record_policy_approval(*, step: Step, now: datetime) -> Approval:
-    approval = policy_approval(step=step, tool=get_tool(step.tool_id), now=now)
+    version = approval_rules(step).approval_version(step.run.workspace_id, get_tool(step.tool_id))
+    approval = policy_approval(step=step, version=version, now=now)
     approval.save(force_insert=True)
     return approval
+
+
+def approval_rules(step: Step) -> policy.Facts:
+    """The workspace's approval policy for the step's tool (one query)."""
+    return policy.workspace_facts(step.run.workspace_id, [step.tool_id])
+
+
+def step_needs_person(step: Step) -> bool:
+    """Whether a person must approve this step's call in its workspace now."""
+    tool = get_tool(step.tool_id)
+    return approval_rules(step).needs_person(step.run.workspace_id, tool, step.input)
 
 
 # --- reviewers' decisions (DESIGN.md §9, §11, §12) ----------------------------------------
@@ -668,7 +730,7 @@ def _approve(step: Step, *, user: User, reason: str, now: datetime) -> Approval:
         step=step,
         input_hash=step.input_hash,
         tool=step.tool_id,
-        policy_version=tool.policy_version(),
+        policy_version=approval_rules(step).approval_version(step.run.workspace_id, tool),
         approver=user,
         reason=reason,
         approved_at=now,
@@ -680,10 +742,20 @@ approval_permission = policy.approval_permission
 
 
 def step_approve(*, step: Step, user: User, version: int, reason: str) -> Step:
-    """planned → approved (→ pending once dependencies are done), bound to this exact call."""
+    """planned → approved (→ pending once dependencies are done), bound to this exact call.
+
+    Four eyes: who requested the step (a reviewer asking for a compensation) may not also
+    approve it, unless EXECUTOR_ALLOW_SELF_APPROVAL is on (a one-person team).
+    """
     reason = require_reason(reason)
     step = _fresh(step, version, State.PLANNED)
     require_perm(user, approval_permission(step), step.run.workspace)
+    if requested_by(step) == user_actor(user) and not settings.EXECUTOR_ALLOW_SELF_APPROVAL:
+        raise NotPermitted(
+            "you requested this step yourself: another reviewer must approve it "
+            "(EXECUTOR_ALLOW_SELF_APPROVAL=1 allows it for a one-person team)",
+            {"requested_by": user_actor(user)},
+        )
     now = timezone.now()
     with transaction.atomic():
         approval = _approve(step, user=user, reason=reason, now=now)
@@ -692,6 +764,49 @@ def step_approve(*, step: Step, user: User, version: int, reason: str) -> Step:
         )
         progress.promote_ready(run_ids=[step.run_id], steps=[step], now=now)
     return step
+
+
+def requested_by(step: Step) -> str:
+    """Who asked for the step: the actor of its first Event (an agent, or a reviewer who
+    requested a compensation)."""
+    actor = Event.objects.filter(step=step, seq=1).values_list("actor", flat=True).first()
+    return actor or ""
+
+
+def check_external_id(step: Step, external_id: str) -> None:
+    """A person's "it happened" names an external id of the form the tool declares and,
+    where the tool can look the operation up, the one its system of record holds."""
+    tool = get_tool(step.tool_id)
+    if not external_id:
+        raise Invalid(
+            "say which effect it was: the external id is required",
+            {"external_id": ["required"], "expected": tool.external_id_form()},
+        )
+    if not tool.external_id_fits(external_id):
+        raise Invalid(
+            f"{external_id!r} is not an external id of {tool.name}: "
+            f"expected {tool.external_id_form()}",
+            {"external_id": [external_id], "expected": tool.external_id_form()},
+        )
+    if not tool.has_lookup():
+        return
+    found = recovery.look_up(step)
+    if (
+        found.outcome == LookupOutcome.FOUND
+        and found.external_id
+        and (found.external_id != external_id)
+    ):
+        raise Conflict(
+            f"the lookup finds this operation's effect as {found.external_id!r}, not "
+            f"{external_id!r}",
+            {"found": found.external_id},
+        )
+    if found.outcome == LookupOutcome.NOT_FOUND and tool.lookup_authoritative:
+        raise Conflict(
+            "the lookup finds no effect of this operation: it did not happen (run it again "
+            "or give up)",
+            {"lookup": found.outcome},
+        )
 
 
 def step_reject(*, step: Step, user: User, version: int, reason: str) -> Step:
@@ -739,6 +854,9 @@ def step_resolve_unknown(
     reason = require_reason(reason)
     step = _fresh(step, version, State.UNKNOWN)
     require_perm(user, "resolve_unknown", step.run.workspace)
+    external_id = external_id.strip()
+    if resolution == Resolution.HAPPENED:
+        check_external_id(step, external_id)
     now = timezone.now()
     data = {"resolution": resolution, "external_id": external_id, "evidence": evidence[:2000]}
     with transaction.atomic():
@@ -813,7 +931,7 @@ def _replay_approval(step: Step, *, user: User, reason: str, now: datetime) -> N
         step=step, consumed_at__isnull=True, revoked_at__isnull=True
     ).exists():
         return
-    if get_tool(step.tool_id).needs_approval() or step.compensates_id:
+    if step.compensates_id or step_needs_person(step):
         require_perm(user, approval_permission(step), step.run.workspace)
         _approve(step, user=user, reason=reason, now=now)
     else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -41,6 +42,49 @@ class ApprovalRule(models.TextChoices):
     NEVER = "never"
     # Destructive effects need a person.
     BY_POLICY = "by_policy"
+
+
+@dataclass(frozen=True)
+class ApprovalPolicy:
+    """Whether a person approves each call of a tool (DESIGN.md §6, §9): `always`, `never`,
+    or `by_policy` with these rules, each on by default: destructive effects and
+    irreversible writes need a person, and so does a call estimated to cost more than
+    `cost_above` (when set and the tool can estimate)."""
+
+    rule: ApprovalRule
+    destructive: bool = True
+    irreversible: bool = True
+    cost_above: Decimal | None = None
+
+    def needs_person(self, tool: type[Tool] | Tool, input: dict[str, Any] | None) -> bool:
+        if self.rule == ApprovalRule.ALWAYS:
+            return True
+        if self.rule == ApprovalRule.NEVER:
+            return False
+        if self.destructive and tool.effect == Effect.DESTRUCTIVE:
+            return True
+        if self.irreversible and tool.is_irreversible():
+            return True
+        if self.cost_above is not None:
+            estimate = tool.estimated_cost(input)
+            return estimate is not None and estimate > self.cost_above
+        return False
+
+    def encoded(self) -> str:
+        """The policy as one short text (stored with a workspace's policy, hashed into its
+        approvals' policy version)."""
+        cost = "" if self.cost_above is None else format(self.cost_above, "f")
+        return f"{self.rule}:{int(self.destructive)}:{int(self.irreversible)}:{cost}"
+
+    @classmethod
+    def decoded(cls, text: str) -> ApprovalPolicy:
+        rule, destructive, irreversible, cost = text.split(":")
+        return cls(
+            rule=ApprovalRule(rule),
+            destructive=destructive == "1",
+            irreversible=irreversible == "1",
+            cost_above=Decimal(cost) if cost else None,
+        )
 
 
 class FailureClass(enum.StrEnum):
@@ -151,6 +195,10 @@ class Tool:
     lookup_authoritative: ClassVar[bool] = False
     # Whether invoke() checks the fence token it is given (DESIGN.md §7).
     accepts_fence: ClassVar[bool] = False
+    # What the external ids of its effects look like (a regular expression the whole id
+    # matches; "" accepts any): a person's "it happened" must name one of that form.
+    external_id_pattern: ClassVar[str] = ""
+    external_id_example: ClassVar[str] = ""
 
     REQUIRED: ClassVar[tuple[str, ...]] = (
         "name",
@@ -194,13 +242,36 @@ class Tool:
     # --- derived ------------------------------------------------------------------------
 
     @classmethod
-    def needs_approval(cls) -> bool:
-        if cls.requires_approval == ApprovalRule.ALWAYS:
-            return True
-        if cls.requires_approval == ApprovalRule.NEVER:
-            return False
-        # The default policy: destructive effects need a person.
-        return cls.effect == Effect.DESTRUCTIVE
+    def needs_approval(cls, input: dict[str, Any] | None = None) -> bool:
+        """Whether a person approves each call, by the tool's own declaration (a workspace
+        may set its own: executor.policy.ApprovalPolicy)."""
+        return ApprovalPolicy(rule=cls.requires_approval).needs_person(cls, input)
+
+    @classmethod
+    def external_id_fits(cls, external_id: str) -> bool:
+        return not cls.external_id_pattern or bool(
+            re.fullmatch(cls.external_id_pattern, external_id)
+        )
+
+    @classmethod
+    def external_id_form(cls) -> str:
+        """The expected form, as a person reads it."""
+        if not cls.external_id_pattern:
+            return "any text"
+        example = f", e.g. {cls.external_id_example}" if cls.external_id_example else ""
+        return f"an id matching {cls.external_id_pattern}{example}"
+
+    @classmethod
+    def is_irreversible(cls) -> bool:
+        """A change to the world that nothing undoes: a write or destructive effect with no
+        compensation."""
+        return cls.effect in (Effect.WRITE, Effect.DESTRUCTIVE) and not cls.compensation
+
+    @classmethod
+    def estimated_cost(cls, input: dict[str, Any] | None) -> Decimal | None:
+        """What a call with this input will probably cost, before it is made (None: not
+        known); approval policies may ask a person above a threshold."""
+        return None
 
     @classmethod
     def policy_version(cls) -> str:
@@ -338,6 +409,14 @@ def get_tool(name: str) -> Tool:
         return _refreshed()[name]
     except KeyError:
         raise LookupError(f"no tool named {name!r}") from None
+
+
+def find_tool(name: str) -> Tool | None:
+    """The registered tool, or None where this process does not know it (any more)."""
+    try:
+        return get_tool(name)
+    except LookupError:
+        return None
 
 
 def all_tools() -> list[Tool]:

@@ -162,6 +162,9 @@ class _CreateTicket(Tool):
     # empty answer means no ticket exists for this operation.
     lookup_authoritative = True
     accepts_fence = True
+    # The desk numbers its tickets.
+    external_id_pattern = r"[1-9][0-9]{0,18}"
+    external_id_example = "4211"
     path: ClassVar[str]
 
     def headers(self, call: Invocation) -> dict[str, str]:

@@ -12,7 +12,8 @@ from django.contrib.auth.models import User
 from django.test import Client
 from django.urls import reverse
 
-from executor.models import Agent, Run, Step
+from executor import services
+from executor.models import Agent, Run, Step, Workspace
 from executor.states import State
 from tests.console.conftest import (
     blocked,
@@ -129,9 +130,11 @@ def test_an_outsider_gets_404_and_changes_nothing(
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_a_stale_version_answers_409_naming_who_acted_and_when(
-    case: Case, bob: Client, alice: Client, owner: User, agent: Agent, run: Run
+    case: Case, bob: Client, alice: Client, agent: Agent, run: Run, workspace: Workspace
 ) -> None:
-    step = case.build(agent, run, owner)
+    # Requested by a third reviewer: who requests a compensation may not approve it.
+    erin = services.reviewer_create(workspace=workspace, username="erin")
+    step = case.build(agent, run, erin)
     assert case.post(alice, step).status_code == 302
     decided = reload(step)
     with unchanged(step):

@@ -259,11 +259,14 @@ def test_compensation_approved_by_a_compensation_approver_runs(
     for permission in ("review_steps", "approve_compensation"):
         assign_perm(f"executor.{permission}", carol, workspace)
     done = reload(original)
+    dave = get_user_model().objects.create_user("dave")
+    assign_perm("executor.approve_compensation", dave, workspace)
     compensation = services.compensation_request(
         step=done, user=carol, version=done.version, reason="wrong ticket"
     )
+    # Four eyes: carol asked for it, dave approves it.
     services.step_approve(
-        step=compensation, user=carol, version=compensation.version, reason="undo it"
+        step=compensation, user=dave, version=compensation.version, reason="undo it"
     )
 
     assert engine.process(compensation.pk, worker="w1") == State.COMPLETED

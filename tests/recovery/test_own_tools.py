@@ -192,7 +192,9 @@ def test_the_readme_toml_compensates_with_its_close_tool(
     assert done.state == State.COMPLETED, cluster.diagnose()
 
     undo = services.compensation_request(step=done, user=reviewer, version=done.version, reason="x")
-    services.step_approve(step=undo, user=reviewer, version=undo.version, reason="undo it")
+    # Four eyes: another reviewer approves what bob asked for.
+    approver = services.reviewer_create(workspace=agent.workspace, username="erin")
+    services.step_approve(step=undo, user=approver, version=undo.version, reason="undo it")
 
     assert cluster.wait_settled(undo).state == State.COMPLETED, cluster.diagnose()
     assert Step.objects.get(pk=step.pk).state == State.COMPENSATED
