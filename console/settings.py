@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("STEPWARD_VAR_DIR", BASE_DIR / "var"))
@@ -29,8 +30,39 @@ def env_list(name: str, default: str) -> list[str]:
 
 
 DEBUG = env_bool("DEBUG", False)
-# A development default only: any deployment sets SECRET_KEY (the README says so).
-SECRET_KEY = os.environ.get("SECRET_KEY", "stepward-insecure-development-key-change-me")
+
+# Public, in the repository: usable only with DEBUG on. It would sign sessions and the
+# ledger's chains with a key anyone can read (DESIGN.md §15), so without DEBUG the settings
+# refuse to load rather than fall back to it.
+DEVELOPMENT_SECRET_KEY = "stepward-insecure-development-key-change-me"  # noqa: S105
+
+
+def secret_key() -> str:
+    """SECRET_KEY, or the contents of the file SECRET_KEY_FILE names (a mounted secret)."""
+    key = os.environ.get("SECRET_KEY", "").strip()
+    key_file = os.environ.get("SECRET_KEY_FILE", "").strip()
+    if not key and key_file:
+        try:
+            key = Path(key_file).read_text().strip()
+        except OSError as error:
+            raise ImproperlyConfigured(
+                f"SECRET_KEY_FILE={key_file} cannot be read: {error}"
+            ) from error
+        if not key:
+            raise ImproperlyConfigured(f"SECRET_KEY_FILE={key_file} is empty")
+    if key and key != DEVELOPMENT_SECRET_KEY:
+        return key
+    if DEBUG:
+        return DEVELOPMENT_SECRET_KEY
+    raise ImproperlyConfigured(
+        "SECRET_KEY is not set (or is the public development key) and DEBUG is off. Set "
+        "SECRET_KEY, or SECRET_KEY_FILE to a file holding it, to a long random value "
+        "(python -c 'import secrets; print(secrets.token_urlsafe(50))'); `make run` makes "
+        "one in var/secret.key. DEBUG=1 allows the development key on a development machine."
+    )
+
+
+SECRET_KEY = secret_key()
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1],testserver")
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", "")
 
@@ -171,6 +203,11 @@ EXECUTOR_LEASE_SECONDS = env_int("EXECUTOR_LEASE_SECONDS", 60)
 # Keys the events' hash chain. Keep it stable: changing it makes verify_ledger report every
 # event written before the change. Defaults to a value derived from SECRET_KEY.
 EXECUTOR_LEDGER_KEY = os.environ.get("EXECUTOR_LEDGER_KEY") or f"ledger:{SECRET_KEY}"
+if not DEBUG and DEVELOPMENT_SECRET_KEY in EXECUTOR_LEDGER_KEY:
+    raise ImproperlyConfigured(
+        "EXECUTOR_LEDGER_KEY is the public development key and DEBUG is off: unset it (it "
+        "then derives from SECRET_KEY) or set it to a long random value."
+    )
 EXECUTOR_APPROVAL_MAX_AGE = env_int("EXECUTOR_APPROVAL_MAX_AGE", 24 * 3600)
 EXECUTOR_ALLOW_FAULTS = env_bool("EXECUTOR_ALLOW_FAULTS", False)
 EXECUTOR_FAULTS = os.environ.get("EXECUTOR_FAULTS", "")
