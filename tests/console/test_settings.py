@@ -178,3 +178,71 @@ def test_make_run_makes_a_private_key_once_and_the_settings_accept_it(tmp_path: 
 
     # `make run` hands it to every process as SECRET_KEY_FILE.
     assert loaded(tmp_path, SECRET_KEY_FILE=str(key_file))["SECRET_KEY"] == key
+
+
+# --- HTTPS_ONLY ---------------------------------------------------------------------------
+
+
+def deploy_check(tmp_path: Path, **given: str) -> subprocess.CompletedProcess[str]:
+    return manage(
+        tmp_path,
+        "check",
+        "--deploy",
+        "--fail-level",
+        "WARNING",
+        DEBUG="0",
+        SECRET_KEY=real_key(),
+        ALLOWED_HOSTS="stepward.example.com",
+        **given,
+    )
+
+
+def test_check_deploy_passes_with_https_only_and_a_real_key(tmp_path: Path) -> None:
+    out = deploy_check(tmp_path, HTTPS_ONLY="1")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "no issues" in out.stdout
+
+
+def test_check_deploy_fails_without_https_only(tmp_path: Path) -> None:
+    out = deploy_check(tmp_path)
+    assert out.returncode != 0
+    for warning in ("W004", "W008", "W012", "W016"):  # HSTS, redirect, both cookies
+        assert f"security.{warning}" in out.stderr, out.stderr
+
+
+def test_https_only_turns_on_each_https_setting(tmp_path: Path) -> None:
+    off = loaded(tmp_path, SECRET_KEY=real_key())
+    on = loaded(tmp_path, SECRET_KEY=real_key(), HTTPS_ONLY="1")
+
+    assert (off["SECURE_HSTS_SECONDS"], on["SECURE_HSTS_SECONDS"]) == (0, 365 * 24 * 3600)
+    for name in (
+        "SECURE_SSL_REDIRECT",
+        "SECURE_HSTS_INCLUDE_SUBDOMAINS",
+        "SESSION_COOKIE_SECURE",
+        "CSRF_COOKIE_SECURE",
+    ):
+        assert (off[name], on[name]) == (False, True), name
+    assert off["SECURE_PROXY_SSL_HEADER"] is None
+    assert on["SECURE_PROXY_SSL_HEADER"] == ["HTTP_X_FORWARDED_PROTO", "https"]
+
+
+def test_each_https_setting_can_be_set_on_its_own(tmp_path: Path) -> None:
+    # Behind HTTPS_ONLY, a proxy that redirects by itself and sends no X-Forwarded-Proto.
+    seen = loaded(
+        tmp_path,
+        SECRET_KEY=real_key(),
+        HTTPS_ONLY="1",
+        SECURE_SSL_REDIRECT="0",
+        SECURE_PROXY_SSL_HEADER="0",
+        SECURE_HSTS_SECONDS="600",
+    )
+    assert seen["SECURE_SSL_REDIRECT"] is False
+    assert seen["SECURE_PROXY_SSL_HEADER"] is None
+    assert seen["SECURE_HSTS_SECONDS"] == 600
+    assert seen["SESSION_COOKIE_SECURE"] is True
+
+    # Without it, one setting alone.
+    alone = loaded(tmp_path, SECRET_KEY=real_key(), SESSION_COOKIE_SECURE="1")
+    assert alone["SESSION_COOKIE_SECURE"] is True
+    assert alone["CSRF_COOKIE_SECURE"] is False
+    assert alone["SECURE_SSL_REDIRECT"] is False
