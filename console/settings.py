@@ -7,6 +7,7 @@ from pathlib import Path
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
+from django.utils.csp import CSP
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("STEPWARD_VAR_DIR", BASE_DIR / "var"))
@@ -85,6 +86,21 @@ SECURE_PROXY_SSL_HEADER = (
 # check --deploy advises preloading (W021) whenever HSTS is on; not preloading is a choice.
 SILENCED_SYSTEM_CHECKS = [] if SECURE_HSTS_PRELOAD else ["security.W021"]
 
+# --- what every page may load ----------------------------------------------------------
+# No inline script, no eval, no inline style: the console's scripts and styles are files in
+# static/ (htmx runs with allowEval off, its bars are SVG geometry). `data:` images are the
+# blank favicon and the icons in the API docs' stylesheet; an image cannot run script.
+SECURE_CSP = {
+    "default-src": [CSP.SELF],
+    "script-src": [CSP.SELF],
+    "style-src": [CSP.SELF],
+    "img-src": [CSP.SELF, "data:"],
+    "object-src": [CSP.NONE],
+    "base-uri": [CSP.NONE],
+    "form-action": [CSP.SELF],
+    "frame-ancestors": [CSP.NONE],
+}
+
 INSTALLED_APPS = [
     "django.contrib.admin",
     "django.contrib.auth",
@@ -102,6 +118,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "django.middleware.csp.ContentSecurityPolicyMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "executor.http.ApiEdgeMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
