@@ -120,6 +120,8 @@ MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "django.middleware.csp.ContentSecurityPolicyMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
+    # Below whitenoise: static files keep their long cache lifetimes.
+    "console.security.NoStoreMiddleware",
     "executor.http.ApiEdgeMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",

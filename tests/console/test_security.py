@@ -1,5 +1,5 @@
 """What every page carries for safety: a Content-Security-Policy with no inline or eval
-script."""
+script, and `Cache-Control: no-store`."""
 
 from __future__ import annotations
 
@@ -126,3 +126,23 @@ def test_the_console_tells_htmx_to_use_no_eval_and_no_inline_styles(bob: Client)
     assert '"allowEval": false' in config.group(1)
     assert '"includeIndicatorStyles": false' in config.group(1)
     assert 'src="/static/js/console.js"' in body
+
+
+def test_every_page_is_no_store(owner: User, pages: list[str]) -> None:
+    for path, response in responses(owner, pages):
+        cache_control = {part.strip() for part in response["Cache-Control"].split(",")}
+        assert "no-store" in cache_control, (path, response["Cache-Control"])
+
+
+def test_htmx_partials_and_the_api_are_no_store_too(bob: Client, agent_auth: Any, run: Run) -> None:
+    partial = bob.get(reverse("nav_counts"), headers={"HX-Request": "true"})
+    assert "no-store" in partial["Cache-Control"]
+    api = Client().get(f"/api/v1/runs/{run.pk}", **agent_auth.headers)
+    assert api.status_code == 200
+    assert "no-store" in api["Cache-Control"]
+
+
+def test_static_files_keep_their_caching(client: Client) -> None:
+    response = client.get("/static/css/console.css")
+    assert response.status_code == 200
+    assert "no-store" not in response.get("Cache-Control", "")
