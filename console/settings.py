@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
@@ -111,6 +112,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "django_htmx",
     "guardian",
+    "axes",
     "ninja",
     "executor",
     "console",
@@ -130,6 +132,8 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    # Last, as django-axes asks: it turns a locked-out sign-in into the lockout page.
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "console.urls"
@@ -178,6 +182,8 @@ DATABASES = {"default": _db}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTHENTICATION_BACKENDS = [
+    # First: it refuses a locked-out username and address before a password is checked.
+    "axes.backends.AxesStandaloneBackend",
     "django.contrib.auth.backends.ModelBackend",
     "guardian.backends.ObjectPermissionBackend",
 ]
@@ -205,6 +211,26 @@ WHITENOISE_AUTOREFRESH = DEBUG
 LOGIN_URL = "/accounts/login/"
 LOGIN_REDIRECT_URL = "/"
 LOGOUT_REDIRECT_URL = "login"
+
+# --- sign-in throttling (django-axes), for the console's and the admin's sign-in -------------
+AXES_ENABLED = env_bool("AXES_ENABLED", True)
+# After this many failures in a row the pair (username, address) is locked out, the right
+# password included; another user, or the same user from elsewhere, can still sign in.
+AXES_FAILURE_LIMIT = env_int("AXES_FAILURE_LIMIT", 5)
+# "username+ip_address" locks the pair; "username,ip_address" each on its own.
+AXES_LOCKOUT_PARAMETERS: list[str | list[str]] = [
+    group.split("+") if "+" in group else group
+    for group in env_list("AXES_LOCKOUT_PARAMETERS", "username+ip_address")
+]
+# Minutes until a lockout lifts by itself; 0: only `manage.py axes_reset` lifts it.
+AXES_COOLOFF_MINUTES = env_int("AXES_COOLOFF_MINUTES", 15)
+AXES_COOLOFF_TIME = timedelta(minutes=AXES_COOLOFF_MINUTES) if AXES_COOLOFF_MINUTES else None
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_TEMPLATE = "registration/locked_out.html"
+# The address a sign-in comes from: REMOTE_ADDR, or behind proxies that append to
+# X-Forwarded-For, the address the outermost of TRUSTED_PROXY_COUNT proxies saw.
+TRUSTED_PROXY_COUNT = env_int("TRUSTED_PROXY_COUNT", 0)
+AXES_CLIENT_IP_CALLABLE = "console.security.client_ip"
 
 CACHES = {
     "default": (

@@ -1,5 +1,6 @@
-"""What every page carries for safety: a Content-Security-Policy with no inline or eval
-script, and `Cache-Control: no-store`."""
+"""What every page carries for safety (a Content-Security-Policy with no inline or eval
+script, `Cache-Control: no-store`) and sign-in throttling with lockout for the console and
+the admin (django-axes)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,20 @@ from html.parser import HTMLParser
 from typing import Any
 
 import pytest
+from django.conf import settings
 from django.contrib.auth.models import User
-from django.test import Client
+from django.core.management import call_command
+from django.test import Client, RequestFactory
 from django.urls import reverse
 from django.utils import timezone
 
+from console.security import client_ip
 from executor.models import Agent, DrillReport, Run
 from tests.console.conftest import dead, unknown
 
 pytestmark = pytest.mark.django_db
+
+CONSOLE = "203.0.113.10"
 
 
 # --- the pages ----------------------------------------------------------------------------
@@ -146,3 +152,110 @@ def test_static_files_keep_their_caching(client: Client) -> None:
     response = client.get("/static/css/console.css")
     assert response.status_code == 200
     assert "no-store" not in response.get("Cache-Control", "")
+
+
+# --- sign-in throttling -------------------------------------------------------------------
+
+
+def sign_in(path: str, username: str, password: str, address: str = CONSOLE) -> Any:
+    return Client(REMOTE_ADDR=address).post(path, {"username": username, "password": password})
+
+
+def signed_in_as(response: Any) -> str | None:
+    """Whose session the response started, if any."""
+    session = response.client.session
+    user_id = session.get("_auth_user_id")
+    return None if user_id is None else User.objects.get(pk=user_id).username
+
+
+def fail(path: str, username: str, times: int, address: str = CONSOLE) -> None:
+    for _ in range(times):
+        response = sign_in(path, username, "wrong", address)
+        assert signed_in_as(response) is None
+
+
+CONSOLE_LOGIN = "/accounts/login/"
+ADMIN_LOGIN = "/admin/login/"
+
+
+def test_the_right_password_after_fewer_wrong_ones_than_the_limit_signs_in(
+    reviewer: User,
+) -> None:
+    fail(CONSOLE_LOGIN, "bob", settings.AXES_FAILURE_LIMIT - 1)
+    response = sign_in(CONSOLE_LOGIN, "bob", "bob-pw")
+    assert response.status_code == 302
+    assert signed_in_as(response) == "bob"
+
+
+def test_after_the_limit_of_wrong_passwords_the_right_one_is_refused_on_the_console(
+    reviewer: User,
+) -> None:
+    fail(CONSOLE_LOGIN, "bob", settings.AXES_FAILURE_LIMIT)
+
+    response = sign_in(CONSOLE_LOGIN, "bob", "bob-pw")
+
+    assert response.status_code == 429
+    assert signed_in_as(response) is None
+    assert b"Sign-in locked" in response.content
+    assert "no-store" in response["Cache-Control"]
+
+
+def test_after_the_limit_of_wrong_passwords_the_right_one_is_refused_on_the_admin(
+    owner: User,
+) -> None:
+    assert sign_in(ADMIN_LOGIN, "alice", "alice-pw").status_code == 302  # it works at first
+    fail(ADMIN_LOGIN, "alice", settings.AXES_FAILURE_LIMIT)
+
+    response = sign_in(ADMIN_LOGIN, "alice", "alice-pw")
+
+    assert response.status_code == 429
+    assert signed_in_as(response) is None
+    # The console's form is the same door: the lockout holds there too.
+    assert signed_in_as(sign_in(CONSOLE_LOGIN, "alice", "alice-pw")) is None
+
+
+def test_a_lockout_holds_one_user_at_one_address_only(reviewer: User, owner: User) -> None:
+    fail(CONSOLE_LOGIN, "bob", settings.AXES_FAILURE_LIMIT)
+    assert signed_in_as(sign_in(CONSOLE_LOGIN, "bob", "bob-pw")) is None
+
+    # Another user from the same address, and bob from another address, still sign in.
+    assert signed_in_as(sign_in(CONSOLE_LOGIN, "alice", "alice-pw")) == "alice"
+    assert signed_in_as(sign_in(CONSOLE_LOGIN, "bob", "bob-pw", "198.51.100.7")) == "bob"
+
+
+def test_axes_reset_unlocks(reviewer: User) -> None:
+    fail(CONSOLE_LOGIN, "bob", settings.AXES_FAILURE_LIMIT)
+    assert sign_in(CONSOLE_LOGIN, "bob", "bob-pw").status_code == 429
+
+    call_command("axes_reset_username", "bob")
+
+    response = sign_in(CONSOLE_LOGIN, "bob", "bob-pw")
+    assert response.status_code == 302
+    assert signed_in_as(response) == "bob"
+
+
+def test_behind_a_proxy_the_address_is_the_one_the_proxy_saw(settings: Any) -> None:
+    factory = RequestFactory()
+    spoofed = factory.get("/", REMOTE_ADDR="10.0.0.2", HTTP_X_FORWARDED_FOR="1.1.1.1, 203.0.113.9")
+    settings.TRUSTED_PROXY_COUNT = 0
+    assert client_ip(spoofed) == "10.0.0.2"
+    settings.TRUSTED_PROXY_COUNT = 1
+    assert client_ip(spoofed) == "203.0.113.9"  # not the 1.1.1.1 the client wrote
+    settings.TRUSTED_PROXY_COUNT = 2
+    assert client_ip(spoofed) == "1.1.1.1"
+    assert client_ip(factory.get("/", REMOTE_ADDR="10.0.0.2")) == "10.0.0.2"
+
+
+def test_behind_a_proxy_two_clients_are_throttled_apart(reviewer: User, settings: Any) -> None:
+    settings.TRUSTED_PROXY_COUNT = 1
+    proxy = "10.0.0.2"
+
+    def through_proxy(client_address: str, password: str) -> Any:
+        return Client(REMOTE_ADDR=proxy, HTTP_X_FORWARDED_FOR=client_address).post(
+            CONSOLE_LOGIN, {"username": "bob", "password": password}
+        )
+
+    for _ in range(settings.AXES_FAILURE_LIMIT):
+        through_proxy("203.0.113.66", "wrong")
+    assert through_proxy("203.0.113.66", "bob-pw").status_code == 429
+    assert signed_in_as(through_proxy("203.0.113.9", "bob-pw")) == "bob"
