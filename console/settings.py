@@ -326,7 +326,12 @@ LOGGING = {
         }
     },
     "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
-    "loggers": {"django.db.backends": {"level": "INFO"}},
+    "loggers": {
+        "django.db.backends": {"level": "INFO"},
+        # django-axes announces its version at INFO in every process that loads Django; its
+        # sign-in failures and lockouts (axes.handlers) are still logged.
+        "axes.apps": {"level": "WARNING"},
+    },
 }
 
 # A woken worker claims due steps in batches of this many (one commit per batch)...
