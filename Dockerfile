@@ -1,6 +1,7 @@
 # One image for every Stepward process: web (default), worker, beat, ticket desk.
 #   docker build -t stepward .
 #   docker run -e DATABASE_URL=... -e CELERY_BROKER_URL=... -e SECRET_KEY=... stepward
+#   (SECRET_KEY, or SECRET_KEY_FILE=/run/secrets/...; HTTPS_ONLY=1 behind a TLS proxy)
 #   docker run ... stepward celery -A console worker --loglevel INFO
 #   docker run ... stepward celery -A console beat --loglevel INFO
 FROM python:3.13-slim
@@ -16,9 +17,11 @@ COPY executor ./executor
 COPY templates ./templates
 COPY static ./static
 COPY manage.py ./
+# collectstatic loads the settings, which refuse to load without a key when DEBUG is off: a
+# throwaway one for this step only (it signs nothing and is not in the image's environment).
 RUN pip install --no-cache-dir . \
     && useradd --system --home-dir /var/lib/stepward --create-home stepward \
-    && python manage.py collectstatic --no-input
+    && SECRET_KEY=collectstatic-at-build-time-only python manage.py collectstatic --no-input
 
 USER stepward
 EXPOSE 8000

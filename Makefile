@@ -27,17 +27,33 @@ $(VENV)/.installed: pyproject.toml
 .PHONY: install
 install: $(VENV)/.installed
 
-.PHONY: run
-run: install
-	$(PY) manage.py migrate --no-input
-	$(PY) manage.py up
+# With DEBUG off Django refuses to start without a secret key. Unless SECRET_KEY or
+# SECRET_KEY_FILE is set, `make run` uses var/secret.key (made once, random, mode 0600): every
+# process `manage.py up` starts reads it through SECRET_KEY_FILE, so sessions and the
+# ledger's chains survive a restart.
+KEY_FILE = $${STEPWARD_VAR_DIR:-$(CURDIR)/var}/secret.key
 
+.PHONY: secret-key
+secret-key:
+	@if [ -z "$${SECRET_KEY:-}$${SECRET_KEY_FILE:-}" ] && [ ! -s "$(KEY_FILE)" ]; then \
+	  mkdir -p "$$(dirname "$(KEY_FILE)")" && \
+	  (umask 077 && head -c 48 /dev/urandom | base64 | tr -d '\n' > "$(KEY_FILE).new") && \
+	  mv "$(KEY_FILE).new" "$(KEY_FILE)" && \
+	  echo "made a secret key for this machine: $(KEY_FILE)"; \
+	fi
+
+.PHONY: run
+run: install secret-key
+	@if [ -z "$${SECRET_KEY:-}" ]; then export SECRET_KEY_FILE="$${SECRET_KEY_FILE:-$(KEY_FILE)}"; fi; \
+	set -x; $(PY) manage.py migrate --no-input && $(PY) manage.py up
+
+# mypy's Django plugin and makemigrations load the settings: a throwaway key for them.
 .PHONY: lint
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy .
-	$(PY) manage.py makemigrations --check --dry-run
+	SECRET_KEY="$${SECRET_KEY:-lint-only-not-a-secret}" $(VENV)/bin/mypy .
+	SECRET_KEY="$${SECRET_KEY:-lint-only-not-a-secret}" $(PY) manage.py makemigrations --check --dry-run
 
 .PHONY: test
 test: install lint

@@ -38,6 +38,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "console.settings")
+# Run on the bench's own database: any key will do, but Django needs one without DEBUG.
+os.environ.setdefault("SECRET_KEY", "stepward-bench-key-not-a-secret")
 
 import django
 

@@ -173,6 +173,8 @@ class Bench:
             "STEPWARD_VAR_DIR": str(self.tmp / "var"),
             "TICKETDESK_URL": self.desk,
             "LOG_LEVEL": "WARNING",
+            # Its own throwaway databases: any key will do, but Django needs one.
+            "SECRET_KEY": os.environ.get("SECRET_KEY") or "stepward-bench-key-not-a-secret",
             # The bench measures the ledger, not the per-token rate limit.
             "API_RATE_LIMIT": "100000000/min",
             **extra,

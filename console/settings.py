@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+from django.utils.csp import CSP
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("STEPWARD_VAR_DIR", BASE_DIR / "var"))
@@ -29,10 +32,75 @@ def env_list(name: str, default: str) -> list[str]:
 
 
 DEBUG = env_bool("DEBUG", False)
-# A development default only: any deployment sets SECRET_KEY (the README says so).
-SECRET_KEY = os.environ.get("SECRET_KEY", "stepward-insecure-development-key-change-me")
+
+# Public, in the repository: usable only with DEBUG on. It would sign sessions and the
+# ledger's chains with a key anyone can read (DESIGN.md §15), so without DEBUG the settings
+# refuse to load rather than fall back to it.
+DEVELOPMENT_SECRET_KEY = "stepward-insecure-development-key-change-me"  # noqa: S105
+
+
+def secret_key() -> str:
+    """SECRET_KEY, or the contents of the file SECRET_KEY_FILE names (a mounted secret)."""
+    key = os.environ.get("SECRET_KEY", "").strip()
+    key_file = os.environ.get("SECRET_KEY_FILE", "").strip()
+    if not key and key_file:
+        try:
+            key = Path(key_file).read_text().strip()
+        except OSError as error:
+            raise ImproperlyConfigured(
+                f"SECRET_KEY_FILE={key_file} cannot be read: {error}"
+            ) from error
+        if not key:
+            raise ImproperlyConfigured(f"SECRET_KEY_FILE={key_file} is empty")
+    if key and key != DEVELOPMENT_SECRET_KEY:
+        return key
+    if DEBUG:
+        return DEVELOPMENT_SECRET_KEY
+    raise ImproperlyConfigured(
+        "SECRET_KEY is not set (or is the public development key) and DEBUG is off. Set "
+        "SECRET_KEY, or SECRET_KEY_FILE to a file holding it, to a long random value "
+        "(python -c 'import secrets; print(secrets.token_urlsafe(50))'); `make run` makes "
+        "one in var/secret.key. DEBUG=1 allows the development key on a development machine."
+    )
+
+
+SECRET_KEY = secret_key()
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1],testserver")
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", "")
+
+# --- HTTPS ------------------------------------------------------------------------------
+# One switch for a deployment served over HTTPS (behind a proxy that terminates TLS); each
+# setting it turns on can still be set on its own.
+HTTPS_ONLY = env_bool("HTTPS_ONLY", False)
+SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", HTTPS_ONLY)
+SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 365 * 24 * 3600 if HTTPS_ONLY else 0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", HTTPS_ONLY)
+# Preloading commits the whole domain to HTTPS in browsers for months: a deployment opts in.
+SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", False)
+SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", HTTPS_ONLY)
+CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", HTTPS_ONLY)
+# Trust the proxy's X-Forwarded-Proto. Only behind a proxy that sets it on every request:
+# a client that reaches Django directly could otherwise claim HTTPS.
+SECURE_PROXY_SSL_HEADER = (
+    ("HTTP_X_FORWARDED_PROTO", "https") if env_bool("SECURE_PROXY_SSL_HEADER", HTTPS_ONLY) else None
+)
+# check --deploy advises preloading (W021) whenever HSTS is on; not preloading is a choice.
+SILENCED_SYSTEM_CHECKS = [] if SECURE_HSTS_PRELOAD else ["security.W021"]
+
+# --- what every page may load ----------------------------------------------------------
+# No inline script, no eval, no inline style: the console's scripts and styles are files in
+# static/ (htmx runs with allowEval off, its bars are SVG geometry). `data:` images are the
+# blank favicon and the icons in the API docs' stylesheet; an image cannot run script.
+SECURE_CSP = {
+    "default-src": [CSP.SELF],
+    "script-src": [CSP.SELF],
+    "style-src": [CSP.SELF],
+    "img-src": [CSP.SELF, "data:"],
+    "object-src": [CSP.NONE],
+    "base-uri": [CSP.NONE],
+    "form-action": [CSP.SELF],
+    "frame-ancestors": [CSP.NONE],
+}
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -44,6 +112,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "django_htmx",
     "guardian",
+    "axes",
     "ninja",
     "executor",
     "console",
@@ -51,7 +120,10 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "django.middleware.csp.ContentSecurityPolicyMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
+    # Below whitenoise: static files keep their long cache lifetimes.
+    "console.security.NoStoreMiddleware",
     "executor.http.ApiEdgeMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -60,6 +132,8 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    # Last, as django-axes asks: it turns a locked-out sign-in into the lockout page.
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "console.urls"
@@ -108,6 +182,8 @@ DATABASES = {"default": _db}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTHENTICATION_BACKENDS = [
+    # First: it refuses a locked-out username and address before a password is checked.
+    "axes.backends.AxesStandaloneBackend",
     "django.contrib.auth.backends.ModelBackend",
     "guardian.backends.ObjectPermissionBackend",
 ]
@@ -135,6 +211,26 @@ WHITENOISE_AUTOREFRESH = DEBUG
 LOGIN_URL = "/accounts/login/"
 LOGIN_REDIRECT_URL = "/"
 LOGOUT_REDIRECT_URL = "login"
+
+# --- sign-in throttling (django-axes), for the console's and the admin's sign-in -------------
+AXES_ENABLED = env_bool("AXES_ENABLED", True)
+# After this many failures in a row the pair (username, address) is locked out, the right
+# password included; another user, or the same user from elsewhere, can still sign in.
+AXES_FAILURE_LIMIT = env_int("AXES_FAILURE_LIMIT", 5)
+# "username+ip_address" locks the pair; "username,ip_address" each on its own.
+AXES_LOCKOUT_PARAMETERS: list[str | list[str]] = [
+    group.split("+") if "+" in group else group
+    for group in env_list("AXES_LOCKOUT_PARAMETERS", "username+ip_address")
+]
+# Minutes until a lockout lifts by itself; 0: only `manage.py axes_reset` lifts it.
+AXES_COOLOFF_MINUTES = env_int("AXES_COOLOFF_MINUTES", 15)
+AXES_COOLOFF_TIME = timedelta(minutes=AXES_COOLOFF_MINUTES) if AXES_COOLOFF_MINUTES else None
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_TEMPLATE = "registration/locked_out.html"
+# The address a sign-in comes from: REMOTE_ADDR, or behind proxies that append to
+# X-Forwarded-For, the address the outermost of TRUSTED_PROXY_COUNT proxies saw.
+TRUSTED_PROXY_COUNT = env_int("TRUSTED_PROXY_COUNT", 0)
+AXES_CLIENT_IP_CALLABLE = "console.security.client_ip"
 
 CACHES = {
     "default": (
@@ -171,6 +267,11 @@ EXECUTOR_LEASE_SECONDS = env_int("EXECUTOR_LEASE_SECONDS", 60)
 # Keys the events' hash chain. Keep it stable: changing it makes verify_ledger report every
 # event written before the change. Defaults to a value derived from SECRET_KEY.
 EXECUTOR_LEDGER_KEY = os.environ.get("EXECUTOR_LEDGER_KEY") or f"ledger:{SECRET_KEY}"
+if not DEBUG and DEVELOPMENT_SECRET_KEY in EXECUTOR_LEDGER_KEY:
+    raise ImproperlyConfigured(
+        "EXECUTOR_LEDGER_KEY is the public development key and DEBUG is off: unset it (it "
+        "then derives from SECRET_KEY) or set it to a long random value."
+    )
 EXECUTOR_APPROVAL_MAX_AGE = env_int("EXECUTOR_APPROVAL_MAX_AGE", 24 * 3600)
 # Four eyes: who requested a step (a compensation) may not approve it, unless this is on.
 EXECUTOR_ALLOW_SELF_APPROVAL = env_bool("EXECUTOR_ALLOW_SELF_APPROVAL", False)
@@ -227,7 +328,12 @@ LOGGING = {
         }
     },
     "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
-    "loggers": {"django.db.backends": {"level": "INFO"}},
+    "loggers": {
+        "django.db.backends": {"level": "INFO"},
+        # django-axes announces its version at INFO in every process that loads Django; its
+        # sign-in failures and lockouts (axes.handlers) are still logged.
+        "axes.apps": {"level": "WARNING"},
+    },
 }
 
 # A woken worker claims due steps in batches of this many (one commit per batch)...

@@ -56,7 +56,7 @@ def pretty_json(value: Any, fields: frozenset[str] = frozenset()) -> str:
         return "-"
     shown = redact(value, fields=fields)
     text = json.dumps(shown, indent=2, sort_keys=True, ensure_ascii=False, default=str)
-    return format_html('<pre style="margin:0; white-space:pre-wrap">{}</pre>', text)
+    return format_html('<pre class="stepward-json">{}</pre>', text)
 
 
 def short_hash(value: str) -> str:
@@ -373,7 +373,7 @@ def show_token_once(request: HttpRequest, agent: Agent, token: str, verb: str) -
     messages.success(
         request,
         format_html(
-            "{} token for agent “{}”: <code style='user-select:all'>{}</code> Copy it now: "
+            "{} token for agent “{}”: <code class='stepward-token'>{}</code> Copy it now: "
             "only its hash is stored and it will not be shown again.",
             verb,
             agent.name,
@@ -689,7 +689,7 @@ class StepAdmin(ReadOnlyAdmin):
             return format_html("intact ({} events)", report.events)
         finding = report.findings[0]
         return format_html(
-            '<strong style="color:#ba2121">broken at event {} (seq {}): {}</strong>',
+            '<strong class="stepward-broken">broken at event {} (seq {}): {}</strong>',
             finding.event_id if finding.event_id is not None else "-",
             finding.seq if finding.seq is not None else "-",
             finding.problem,

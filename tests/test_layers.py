@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             r"executor\.logcontext",
             r"executor\.management(\.commands)?",
             r"console",
-            r"console\.(settings|celery|broker|storage|http|asgi|wsgi)",
+            r"console\.(settings|celery|broker|storage|http|security|asgi|wsgi)",
             r"console\.templatetags(\..*)?",
         ],
     ),

@@ -45,7 +45,7 @@ def timestamp(value: datetime | None) -> str:
 
 @register.filter
 def percent_of(value: Any, limit: Any) -> str:
-    """How full a bar is, 0 to 100 (a CSS width); 0 when there is no limit."""
+    """How full a bar is, 0 to 100 (its SVG width); 0 when there is no limit."""
     try:
         used, whole = float(value), float(limit)
     except (TypeError, ValueError):
@@ -53,6 +53,33 @@ def percent_of(value: Any, limit: Any) -> str:
     if whole <= 0:
         return "100" if used > 0 else "0"
     return f"{max(0.0, min(100.0, used * 100 / whole)):.1f}"
+
+
+# The stacked bar is SVG geometry, not inline styles (the Content-Security-Policy allows
+# none): each state's share of the width in percent, at least MIN_SEGMENT so that one step
+# among thousands stays visible, less SEGMENT_GAP between neighbours.
+MIN_SEGMENT = 1.0
+SEGMENT_GAP = 0.4
+
+
+@register.filter
+def stack_segments(bar: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    """[(state, count)] as [{state, count, x, width}], x and width in percent of the bar."""
+    counts = [(state, int(count)) for state, count in bar if int(count) > 0]
+    total = sum(count for _, count in counts)
+    if not total:
+        return []
+    shares = [max(MIN_SEGMENT, count * 100 / total) for _, count in counts]
+    scale = 100 / sum(shares)
+    segments, x = [], 0.0
+    for index, ((state, count), share) in enumerate(zip(counts, shares, strict=True)):
+        width = share * scale
+        gap = SEGMENT_GAP if index < len(counts) - 1 else 0.0
+        segments.append(
+            {"state": state, "count": count, "x": f"{x:.2f}", "width": f"{width - gap:.2f}"}
+        )
+        x += width
+    return segments
 
 
 @register.filter
