@@ -12,7 +12,6 @@ from django.core.exceptions import ValidationError
 
 from executor.models import RunStatus, Workspace
 from executor.selectors import InboxKind
-from executor.services import Resolution
 
 REASON_REQUIRED = "Give a reason: it is recorded with your decision."
 PAGE_SIZE = 25
@@ -33,8 +32,9 @@ class DecisionForm(forms.Form):
     version = forms.IntegerField(min_value=1, widget=forms.HiddenInput)
 
 
-class ResolveForm(DecisionForm):
-    resolution = forms.ChoiceField(choices=Resolution.choices, widget=forms.HiddenInput)
+class EvidenceForm(DecisionForm):
+    """A decision that records what a person found: "it happened"."""
+
     external_id = forms.CharField(label="External id", max_length=200, required=False)
     evidence = forms.CharField(
         label="Evidence",
@@ -43,7 +43,7 @@ class ResolveForm(DecisionForm):
         widget=forms.Textarea(attrs={"rows": 2}),
         help_text="Where you found it: a link, a ticket, what the other system said.",
     )
-    field_order = ["external_id", "evidence", "reason", "version", "resolution"]
+    field_order = ["external_id", "evidence", "reason", "version"]
 
 
 class ExtendBudgetForm(DecisionForm):

@@ -7,7 +7,7 @@ decision needs, and hand over to `executor.services`; reads come from `executor.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from decimal import Decimal
 from functools import wraps
 from typing import Any, Concatenate, cast
@@ -35,46 +35,21 @@ from console.forms import (
     PAUSED_RUNS,
     BulkReplayForm,
     DecisionForm,
+    EvidenceForm,
     ExtendBudgetForm,
     InboxFilterForm,
-    ResolveForm,
     RunFilterForm,
 )
 from console.http import HtmxHttpRequest, ReviewerRequest
-from executor import selectors, services
+from executor import decisions, selectors, services
 from executor.models import DrillReport, Run, RunStatus, Step, Workspace
 from executor.selectors import Cursor, InboxFilter, InboxKind
-from executor.services import Resolution
-from executor.states import State
-from executor.tools.base import Tool as ToolContract
-from executor.tools.base import get_tool
+from executor.states import IN_FLIGHT, PROGRESS_ORDER, REPORT_SECTIONS, State
 
 # Client-side event that tells the navigation counts to refresh at once.
 INBOX_CHANGED = "inbox-changed"
 # A run page lists this many steps; the report above it still covers every step.
 RUN_STEPS_SHOWN = 500
-# The stacked progress bar, from done through in flight to what needs a person.
-BAR_ORDER = (
-    State.COMPLETED,
-    State.COMPENSATED,
-    State.VERIFYING,
-    State.RUNNING,
-    State.PENDING,
-    State.APPROVED,
-    State.PLANNED,
-    State.UNKNOWN,
-    State.BLOCKED,
-    State.DEAD,
-    State.FAILED,
-    State.REJECTED,
-    State.CANCELLED,
-)
-
-
-# States in which the engine moves a step on its own: its timeline refreshes itself.
-IN_FLIGHT = (State.APPROVED, State.PENDING, State.RUNNING, State.VERIFYING)
-
-
 # --- access -------------------------------------------------------------------------------
 
 
@@ -337,216 +312,80 @@ def deadletters_replay(request: ReviewerRequest) -> HttpResponse:
 # --- step ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ToolInfo:
-    name: str
-    effect: str
-    idempotency: str
-    has_lookup: bool
-    lookup_authoritative: bool
-    compensation: str
-    needs_approval: bool
-    registered: bool
-    description: str = ""
-    retry: dict[str, Any] = field(default_factory=dict)
-
-
-def _tool_info(step: Step) -> ToolInfo:
-    try:
-        tool: ToolContract | None = get_tool(step.tool_id)
-    except LookupError:
-        tool = None
-    if tool is None:
-        # Gone from the code: the Tool table still holds what it declared.
-        row = step.tool
-        return ToolInfo(
-            name=row.name,
-            effect=row.effect,
-            idempotency=row.idempotency,
-            has_lookup=row.has_lookup,
-            lookup_authoritative=False,
-            compensation=row.compensation,
-            needs_approval=True,
-            registered=False,
-        )
-    return ToolInfo(
-        name=tool.name,
-        effect=str(tool.effect),
-        idempotency=str(tool.idempotency),
-        has_lookup=tool.has_lookup(),
-        lookup_authoritative=tool.lookup_authoritative,
-        compensation=tool.compensation,
-        needs_approval=tool.needs_approval(),
-        registered=True,
-        description=tool.description,
-        retry=tool.retry.as_dict(),
-    )
-
-
 @dataclass
-class Decision:
-    """One decision the step page offers: its form, or why the reviewer cannot take it."""
+class Offer:
+    """A decision as the step page offers it: its form, or why the reviewer cannot take it."""
 
+    decision: decisions.Decision
     name: str
     title: str
     button: str
     url: str
     permission: str
-    allowed: bool
+    # Why the reviewer cannot take it ("" when they can).
+    refused: str
     form: DecisionForm
-    fields: tuple[str, ...] = ("reason",)
+    fields: tuple[str, ...]
     tone: str = ""
     help: str = ""
     error: str = ""
 
 
-def _run_again_allowed(step: Step) -> bool:
-    try:
-        return services.run_again_allowed(step)
-    except LookupError:
-        return False
+def _form_class(decision: decisions.Decision) -> type[DecisionForm]:
+    return EvidenceForm if "external_id" in decision.fields else DecisionForm
 
 
-def _open_compensation(step: Step) -> Step | None:
-    return (
-        step.compensations.exclude(state__in=(State.REJECTED, State.CANCELLED, State.FAILED))
-        .order_by("position")
-        .first()
-    )
-
-
-def _decisions(
+def _offers(
     request: ReviewerRequest,
     step: Step,
-    tool: ToolInfo,
+    tool: selectors.ToolInfo,
     *,
     bound: DecisionForm | None = None,
     failed: str = "",
     error: str = "",
-) -> tuple[list[Decision], list[str]]:
-    """The decisions that fit the step's state, and notes on the ones that do not apply.
-
-    Each is shown with its form only when the reviewer holds its permission; the view
-    that receives the form checks the permission again.
-    """
-    workspace = step.run.workspace
-    decisions: list[Decision] = []
-    notes: list[str] = []
-
-    def offer(
-        name: str,
-        title: str,
-        button: str,
-        url_name: str,
-        permission: str,
-        form_class: type[DecisionForm] = DecisionForm,
-        **extra: Any,
-    ) -> None:
-        initial: dict[str, Any] = {"version": step.version}
-        if form_class is ResolveForm:
-            initial["resolution"] = name.removeprefix("resolve-").replace("-", "_")
-        form = bound if bound is not None and failed == name else None
-        decisions.append(
-            Decision(
-                name=name,
-                title=title,
-                button=button,
-                url=reverse(url_name, args=[step.pk]),
+) -> tuple[list[Offer], list[str]]:
+    """The decisions the table offers for the step, each with its form when the reviewer
+    holds its permission (the view that receives the form checks it again), and notes on
+    those that do not apply."""
+    applying, notes = decisions.offered(step, tool)
+    offers = []
+    for decision in applying:
+        permission = decision.permission(step)
+        form = bound if bound is not None and failed == decision.name else None
+        offers.append(
+            Offer(
+                decision=decision,
+                name=decision.name,
+                title=decision.title,
+                button=decision.button_for(step),
+                url=reverse("step_decide", args=[step.pk, decision.name]),
                 permission=permission,
-                allowed=_may(request.user, permission, workspace),
-                form=form or form_class(initial=initial, auto_id=f"{name}-%s"),
-                error=error if failed == name else "",
-                **extra,
+                refused=_refused(request.user, decision, step, permission),
+                form=form
+                or _form_class(decision)(
+                    initial={"version": step.version}, auto_id=f"{decision.name}-%s"
+                ),
+                fields=decision.fields,
+                tone=decision.tone,
+                help=decision.help,
+                error=error if failed == decision.name else "",
             )
         )
+    return offers, notes
 
-    approval = services.approval_permission(step)
-    match step.state:
-        case State.UNKNOWN:
-            offer(
-                "resolve-happened",
-                "It happened",
-                "Mark as completed",
-                "step_resolve",
-                "resolve_unknown",
-                ResolveForm,
-                fields=("external_id", "evidence", "reason"),
-                help="You found the effect in the other system: record what you found.",
-            )
-            if _run_again_allowed(step):
-                offer(
-                    "resolve-run-again",
-                    "It did not happen: run again",
-                    "Run it again",
-                    "step_resolve",
-                    "resolve_unknown",
-                    ResolveForm,
-                    help="Sends the same operation again (same operation id).",
-                )
-            else:
-                notes.append(
-                    f"Running it again is not offered: {tool.name} is not safe to repeat and "
-                    "has no authoritative lookup, so a second call could duplicate the effect."
-                )
-            offer(
-                "resolve-give-up",
-                "It did not happen: give up",
-                "Give up",
-                "step_resolve",
-                "resolve_unknown",
-                ResolveForm,
-                tone="danger",
-                help="The step becomes failed; nothing is sent again.",
-            )
-            if tool.has_lookup:
-                offer(
-                    "probe",
-                    "Look it up again",
-                    "Look it up again",
-                    "step_probe",
-                    "review_steps",
-                    help="Asks the other system now whether this operation happened.",
-                )
-        case State.PLANNED:
-            what = "compensation" if step.compensates_id else "call"
-            offer("approve", "Approve", f"Approve this {what}", "step_approve", approval)
-            offer("reject", "Reject", f"Reject this {what}", "step_reject", approval, tone="danger")
-        case State.COMPLETED:
-            if not tool.compensation:
-                notes.append(f"Irreversible: {tool.name} declares no compensation.")
-            elif (open_request := _open_compensation(step)) is not None:
-                notes.append(f"A compensation is already {open_request.state}.")
-            else:
-                offer(
-                    "compensate",
-                    "Request compensation",
-                    "Request compensation",
-                    "step_compensate",
-                    "approve_compensation",
-                    help=f"Creates a {tool.compensation} step that undoes this one; "
-                    "it waits for approval.",
-                )
-        case State.DEAD:
-            offer(
-                "replay",
-                "Replay",
-                "Replay this dead letter",
-                "step_replay",
-                "replay_deadletter",
-                help="Sends it again with the same operation id; retries start afresh.",
-            )
-        case State.BLOCKED:
-            offer(
-                "resume",
-                "Resume",
-                "Resume this step",
-                "step_resume",
-                approval,
-                help="Re-approves this exact call in your name; every check runs again.",
-            )
-        case _:
-            notes.append(f"Nothing to decide while the step is {step.state}.")
-    return decisions, notes
+
+def _refused(user: User, decision: decisions.Decision, step: Step, permission: str) -> str:
+    if not _may(user, permission, step.run.workspace):
+        return f"You need the {permission} permission on {step.run.workspace.slug}."
+    refusal = decision.refuses(step, user)
+    return refusal[:1].upper() + refusal[1:] + "." if refusal else ""
+
+
+def _asked_by(actor: str) -> str:
+    """Who asked for the step, as the summary's heading says it."""
+    if actor.startswith("user:"):
+        return f"What {actor.removeprefix('user:')} (a reviewer) asked"
+    return "What the agent asked"
 
 
 def _step_context(
@@ -558,16 +397,20 @@ def _step_context(
     error: str = "",
     notice: str = "",
 ) -> dict[str, Any]:
-    tool = _tool_info(step)
-    decisions, notes = _decisions(request, step, tool, bound=bound, failed=failed, error=error)
+    tool = selectors.tool_info(name=step.tool_id, workspace_id=step.run.workspace_id)
+    offers, notes = _offers(request, step, tool, bound=bound, failed=failed, error=error)
     return {
         "step": step,
         "run": step.run,
         "tool": tool,
-        "decisions": decisions,
+        "asked_by": _asked_by(services.requested_by(step)),
+        "approving": selectors.approval_to_give(step=step, tool=tool)
+        if step.state == State.PLANNED
+        else None,
+        "decisions": offers,
         "decision_notes": notes,
         # A failure that belongs to no form on the page (the step moved on) shows on top.
-        "decision_error": error if error and not any(d.error for d in decisions) else "",
+        "decision_error": error if error and not any(d.error for d in offers) else "",
         "decision_notice": notice,
         "timeline": selectors.step_timeline(step=step),
         "compensations": list(step.compensations.order_by("position")),
@@ -606,27 +449,21 @@ def step_timeline(request: ReviewerRequest, pk: Any) -> HttpResponse:
     return _render(request, "console/step.html#step-timeline", context)
 
 
-type Act = Callable[[Step, User, dict[str, Any]], str]
+@require_POST
+@reviewer_required
+def step_decide(request: ReviewerRequest, pk: Any, name: str) -> HttpResponse:
+    """Carries out one decision of the table (executor/decisions.py) on a step.
 
-
-def _decide(
-    request: ReviewerRequest,
-    pk: Any,
-    *,
-    name: str,
-    permission: Callable[[Step], str],
-    form_class: type[DecisionForm],
-    act: Act,
-) -> HttpResponse:
-    """The common path of every decision on a step.
-
-    404 for a step the reviewer may not see, 403 without the permission, 422 for a form
-    error, 409 when the step changed since the reviewer loaded it; otherwise the service
-    acts and the reviewer sees the step as it is now.
+    404 for a step the reviewer may not see or a decision that does not exist, 403 without
+    the permission, 422 for a form error, 409 when the step changed since the reviewer
+    loaded it; otherwise the service acts and the reviewer sees the step as it is now.
     """
+    decision = decisions.BY_NAME.get(name)
+    if decision is None:
+        raise Http404("no such decision")
     step = _get_step_for_user(request, pk)
-    needed = permission(step)
-    form = form_class(request.POST, auto_id=f"{name}-%s")
+    needed = decision.permission(step)
+    form = _form_class(decision)(request.POST, auto_id=f"{name}-%s")
 
     def refuse(status: int, error: str, *, keep_form: bool = True) -> HttpResponse:
         fresh = _get_step_for_user(request, pk)
@@ -642,7 +479,7 @@ def _decide(
     if not form.is_valid():
         return refuse(422, _form_problem(form))
     try:
-        notice = act(step, request.user, form.cleaned_data)
+        notice = decision.act(step, request.user, form.cleaned_data)
     except services.NotPermitted as error:
         return refuse(403, error.message)
     except services.AlreadyHandled as error:
@@ -694,151 +531,6 @@ def _handled_message(step: Step, seen: int, error: services.AlreadyHandled) -> s
         f"This step was already handled by {move.actor} at "
         f"{move.created_at:%Y-%m-%d %H:%M:%S} UTC ({move.from_state} → {move.to_state}; "
         f"now {current}). Nothing was changed by your decision."
-    )
-
-
-@require_POST
-@reviewer_required
-def step_approve(request: ReviewerRequest, pk: Any) -> HttpResponse:
-    def act(step: Step, user: User, data: dict[str, Any]) -> str:
-        services.step_approve(step=step, user=user, version=data["version"], reason=data["reason"])
-        return "Approved."
-
-    return _decide(
-        request,
-        pk,
-        name="approve",
-        permission=services.approval_permission,
-        form_class=DecisionForm,
-        act=act,
-    )
-
-
-@require_POST
-@reviewer_required
-def step_reject(request: ReviewerRequest, pk: Any) -> HttpResponse:
-    def act(step: Step, user: User, data: dict[str, Any]) -> str:
-        services.step_reject(step=step, user=user, version=data["version"], reason=data["reason"])
-        return "Rejected."
-
-    return _decide(
-        request,
-        pk,
-        name="reject",
-        permission=services.approval_permission,
-        form_class=DecisionForm,
-        act=act,
-    )
-
-
-RESOLVED = {
-    Resolution.HAPPENED: "Marked as completed.",
-    Resolution.RUN_AGAIN: "Sent to run again.",
-    Resolution.GIVE_UP: "Given up: the step is failed.",
-}
-
-
-@require_POST
-@reviewer_required
-def step_resolve(request: ReviewerRequest, pk: Any) -> HttpResponse:
-    resolution = request.POST.get("resolution", "")
-    if resolution not in Resolution.values:
-        resolution = Resolution.HAPPENED
-
-    def act(step: Step, user: User, data: dict[str, Any]) -> str:
-        services.step_resolve_unknown(
-            step=step,
-            user=user,
-            version=data["version"],
-            resolution=data["resolution"],
-            reason=data["reason"],
-            external_id=data.get("external_id", ""),
-            evidence=data.get("evidence", ""),
-        )
-        return RESOLVED[Resolution(data["resolution"])]
-
-    return _decide(
-        request,
-        pk,
-        name="resolve-" + resolution.replace("_", "-"),
-        permission=lambda step: "resolve_unknown",
-        form_class=ResolveForm,
-        act=act,
-    )
-
-
-@require_POST
-@reviewer_required
-def step_probe(request: ReviewerRequest, pk: Any) -> HttpResponse:
-    def act(step: Step, user: User, data: dict[str, Any]) -> str:
-        outcome = services.step_probe(
-            step=step, user=user, version=data["version"], reason=data["reason"]
-        )
-        return f"Looked it up again: {outcome}."
-
-    return _decide(
-        request,
-        pk,
-        name="probe",
-        permission=lambda step: "review_steps",
-        form_class=DecisionForm,
-        act=act,
-    )
-
-
-@require_POST
-@reviewer_required
-def step_replay(request: ReviewerRequest, pk: Any) -> HttpResponse:
-    def act(step: Step, user: User, data: dict[str, Any]) -> str:
-        services.deadletter_replay(
-            step=step, user=user, version=data["version"], reason=data["reason"]
-        )
-        return "Replayed: the step is pending again."
-
-    return _decide(
-        request,
-        pk,
-        name="replay",
-        permission=lambda step: "replay_deadletter",
-        form_class=DecisionForm,
-        act=act,
-    )
-
-
-@require_POST
-@reviewer_required
-def step_resume(request: ReviewerRequest, pk: Any) -> HttpResponse:
-    def act(step: Step, user: User, data: dict[str, Any]) -> str:
-        services.step_resume(step=step, user=user, version=data["version"], reason=data["reason"])
-        return "Resumed: the step is pending again."
-
-    return _decide(
-        request,
-        pk,
-        name="resume",
-        permission=services.approval_permission,
-        form_class=DecisionForm,
-        act=act,
-    )
-
-
-@require_POST
-@reviewer_required
-def step_compensate(request: ReviewerRequest, pk: Any) -> HttpResponse:
-    def act(step: Step, user: User, data: dict[str, Any]) -> str:
-        compensation = services.compensation_request(
-            step=step, user=user, version=data["version"], reason=data["reason"]
-        )
-        return f"Compensation requested: {compensation.key} waits for approval."
-
-    # DESIGN.md §11: requesting a compensation takes approve_compensation, as approving it does.
-    return _decide(
-        request,
-        pk,
-        name="compensate",
-        permission=lambda step: "approve_compensation",
-        form_class=DecisionForm,
-        act=act,
     )
 
 
@@ -940,12 +632,10 @@ def _run_context(
         "run": run,
         "counts": counts,
         "total": sum(counts.values()),
-        "bar": [(state.value, counts[state]) for state in BAR_ORDER if counts.get(state)],
+        "bar": [(state.value, counts[state]) for state in PROGRESS_ORDER if counts.get(state)],
         "budget_lines": _budget_lines(run),
         "report": report,
-        "report_sections": [
-            (name, report[name]) for name in selectors.REPORT_SECTIONS if report[name]
-        ],
+        "report_sections": [(name, report[name]) for name in REPORT_SECTIONS if report[name]],
         "steps": shown,
         "steps_hidden": max(0, sum(counts.values()) - len(shown)),
         "run_events": list(run.run_events.order_by("-created_at", "-pk")[:20]),

@@ -9,11 +9,13 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
+from django.conf import settings
 from django.db.models import Count, Q, QuerySet, Sum, TextChoices
 from django.utils import timezone
 
 from executor import policy
 from executor.models import Agent, Attempt, Event, Run, RunStatus, Step, Tool
+from executor.redaction import redact
 from executor.states import CONFIRMED, ENDED_WITHOUT_EFFECT, INBOX, REPORT_SECTIONS, State
 from executor.tools.base import Tool as ToolContract
 from executor.tools.base import all_tools, find_tool
@@ -407,6 +409,31 @@ def _info(
         usable=user_id is not None
         and facts.registered(tool.name)
         and facts.holds(user_id, "use_tool", tool=tool.name),
+    )
+
+
+@dataclass(frozen=True)
+class ApprovalToGive:
+    """What a reviewer approving a planned step approves: this exact call, under this policy
+    version, for this long (DESIGN.md §3 "Approval")."""
+
+    tool: str
+    input: Any
+    input_hash: str
+    policy_version: str
+    expires_at: datetime
+
+
+def approval_to_give(*, step: Step, tool: ToolInfo, now: datetime | None = None) -> ApprovalToGive:
+    now = now or timezone.now()
+    found = find_tool(step.tool_id)
+    fields = found.redact if found else frozenset()
+    return ApprovalToGive(
+        tool=step.tool_id,
+        input=redact(step.input, fields=fields),
+        input_hash=step.input_hash,
+        policy_version=tool.policy_version,
+        expires_at=now + timedelta(seconds=settings.EXECUTOR_APPROVAL_MAX_AGE),
     )
 
 

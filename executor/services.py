@@ -750,12 +750,9 @@ def step_approve(*, step: Step, user: User, version: int, reason: str) -> Step:
     reason = require_reason(reason)
     step = _fresh(step, version, State.PLANNED)
     require_perm(user, approval_permission(step), step.run.workspace)
-    if requested_by(step) == user_actor(user) and not settings.EXECUTOR_ALLOW_SELF_APPROVAL:
-        raise NotPermitted(
-            "you requested this step yourself: another reviewer must approve it "
-            "(EXECUTOR_ALLOW_SELF_APPROVAL=1 allows it for a one-person team)",
-            {"requested_by": user_actor(user)},
-        )
+    refusal = own_request_refusal(step, user)
+    if refusal:
+        raise NotPermitted(refusal, {"requested_by": user_actor(user)})
     now = timezone.now()
     with transaction.atomic():
         approval = _approve(step, user=user, reason=reason, now=now)
@@ -764,6 +761,16 @@ def step_approve(*, step: Step, user: User, version: int, reason: str) -> Step:
         )
         progress.promote_ready(run_ids=[step.run_id], steps=[step], now=now)
     return step
+
+
+def own_request_refusal(step: Step, user: User) -> str:
+    """Why `user` may not approve `step` they asked for themselves (four eyes), or ""."""
+    if settings.EXECUTOR_ALLOW_SELF_APPROVAL or requested_by(step) != user_actor(user):
+        return ""
+    return (
+        "you requested this step yourself: another reviewer must approve it "
+        "(EXECUTOR_ALLOW_SELF_APPROVAL=1 allows it for a one-person team)"
+    )
 
 
 def requested_by(step: Step) -> str:
@@ -1006,6 +1013,15 @@ def step_resume(*, step: Step, user: User, version: int, reason: str) -> Step:
     return step
 
 
+def open_compensation(step: Step) -> Step | None:
+    """The compensation of `step` that is still under way or done, if any."""
+    return (
+        step.compensations.exclude(state__in=(State.REJECTED, State.CANCELLED, State.FAILED))
+        .order_by("position")
+        .first()
+    )
+
+
 def compensation_request(*, step: Step, user: User, version: int, reason: str) -> Step:
     """Creates the step that undoes a completed one; it waits `planned` for approval."""
     reason = require_reason(reason)
@@ -1014,9 +1030,7 @@ def compensation_request(*, step: Step, user: User, version: int, reason: str) -
     tool = get_tool(step.tool_id)
     if not tool.compensation:
         raise Conflict(f"{step.tool_id} is irreversible: it has no compensation")
-    open_request = step.compensations.exclude(
-        state__in=(State.REJECTED, State.CANCELLED, State.FAILED)
-    ).first()
+    open_request = open_compensation(step)
     if open_request is not None:
         raise Conflict(
             f"a compensation is already {open_request.state}", {"step_id": str(open_request.pk)}

@@ -61,6 +61,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("engine", [r"executor\.engine"]),
     ("recovery", [r"executor\.recovery"]),
     ("writes", [r"executor\.services", r"executor\.sweeper"]),
+    ("decisions", [r"executor\.decisions"]),
     (
         "entry points",
         [

@@ -247,6 +247,8 @@ def dead_letter(agent: Agent, run: Run, key: str) -> Step:
 
 def blocked_step(agent: Agent, run: Run, key: str) -> Step:
     """An email whose agent lost `use_tool` before the claim: the recheck blocks it."""
+    # The workspace lets email.send run without approval, so only the recheck stops it.
+    services.tool_policy_set(workspace=run.workspace, tool="email.send", approval="never")
     step = post(
         agent,
         run,

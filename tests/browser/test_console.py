@@ -296,7 +296,13 @@ def test_a_dead_letter_checked_in_the_inbox_is_replayed_and_the_other_stays_dead
 
 
 def test_a_compensation_requested_and_approved_closes_the_ticket_at_the_desk(
-    bob_page: Page, live_server: Any, agent: Agent, run: Run, desk: Desk
+    bob_page: Page,
+    live_server: Any,
+    agent: Agent,
+    run: Run,
+    desk: Desk,
+    second_reviewer: User,
+    browser: Browser,
 ) -> None:
     page = bob_page
     original = execute(post(agent, run, "ticketdesk.create", "open-duplicate-ticket", TICKET))
@@ -314,23 +320,37 @@ def test_a_compensation_requested_and_approved_closes_the_ticket_at_the_desk(
     assert compensation.tool_id == "ticketdesk.close"
     page.get_by_test_id("step-summary").get_by_role("link", name=compensation.key).click()
     expect(page.get_by_test_id("step-state")).to_have_text("planned")
-    decide(page, "decision-approve", "Approve this compensation", "The duplicate must go.")
-    expect(page.get_by_test_id("decision-notice")).to_have_text("Approved.")
-    expect(page.get_by_test_id("step-state")).to_have_text("pending")
+    # Four eyes: who asked for the compensation does not approve it too.
+    expect(page.get_by_test_id("asked-by")).to_contain_text("bob")
+    expect(page.get_by_test_id("decision-approve")).to_have_count(0)
+    expect(page.get_by_test_id("decision-approve-unavailable")).to_contain_text(
+        "You requested this step yourself: another reviewer must approve it"
+    )
+
+    erin = browser.new_context(base_url=live_server.url)
+    sign_in(erin, second_reviewer, live_server.url)
+    erin_page = erin.new_page()
+    open_page(erin_page, live_server.url, f"/steps/{compensation.pk}/")
+    decide(erin_page, "decision-approve", "Approve this compensation", "The duplicate must go.")
+    expect(erin_page.get_by_test_id("decision-notice")).to_have_text("Approved.")
+    expect(erin_page.get_by_test_id("step-state")).to_have_text("pending")
 
     assert execute(compensation).state == State.COMPLETED
-    expect(page.get_by_test_id("step-state")).to_have_text("completed")
-    page.get_by_test_id("step-summary").get_by_role("link", name=original.key).click()
-    expect(page.get_by_test_id("step-state")).to_have_text("compensated")
+    expect(erin_page.get_by_test_id("step-state")).to_have_text("completed")
+    erin_page.get_by_test_id("step-summary").get_by_role("link", name=original.key).click()
+    expect(erin_page.get_by_test_id("step-state")).to_have_text("compensated")
+    erin.close()
 
     assert desk.ticket(ticket_id)["status"] == "closed"
     assert fresh(original).state == State.COMPENSATED
     assert fresh(compensation).state == State.COMPLETED
     assert [(e.from_state, e.to_state) for e in events_by(compensation, "user:bob")] == [
         ("", State.PLANNED),
+    ]
+    assert [(e.from_state, e.to_state) for e in events_by(compensation, "user:erin")] == [
         (State.PLANNED, State.APPROVED),
     ]
-    assert Approval.objects.get(step=compensation).approver.username == "bob"
+    assert Approval.objects.get(step=compensation).approver.username == "erin"
 
 
 # --- 6. an outsider ----------------------------------------------------------------------------
@@ -367,7 +387,7 @@ def test_an_outsider_gets_404_for_another_workspaces_step_and_an_empty_inbox(
                                                headers: {"X-CSRFToken": token}});
             return response.status;
         }""",
-        [f"/steps/{step.pk}/approve/", str(step.version)],
+        [f"/steps/{step.pk}/decide/approve/", str(step.version)],
     )
     assert status == 404
 
@@ -426,8 +446,11 @@ def test_of_two_reviewers_approving_the_same_step_only_the_first_decision_lands(
 # --- 8. the README's screenshots -----------------------------------------------------------------
 
 
-def build_scene(agent: Agent, reviewer: User, desk: Desk, settings: Any) -> dict[str, Any]:
-    """One run with something in every review state, made by the engine, and a paused run."""
+def build_scene(
+    agent: Agent, reviewer: User, approver: User, desk: Desk, settings: Any
+) -> dict[str, Any]:
+    """One run with something in every review state, made by the engine, and a paused run.
+    `reviewer` asks for the compensations; `approver` approves one (four eyes)."""
     run, _ = services.run_create(
         agent=agent,
         name="support-triage-0412",
@@ -441,7 +464,7 @@ def build_scene(agent: Agent, reviewer: User, desk: Desk, settings: Any) -> dict
     undo = services.compensation_request(
         step=duplicate, user=reviewer, version=duplicate.version, reason="Opened twice."
     )
-    services.step_approve(step=undo, user=reviewer, version=undo.version, reason="Close it.")
+    services.step_approve(step=undo, user=approver, version=undo.version, reason="Close it.")
     execute(undo)
     vpn = execute(
         post(
@@ -508,12 +531,13 @@ def test_screenshots_of_the_inbox_an_unknown_step_and_a_run(
     live_server: Any,
     agent: Agent,
     reviewer: User,
+    second_reviewer: User,
     desk: Desk,
     settings: Any,
     tmp_path: Path,
 ) -> None:
     page = bob_page
-    scene = build_scene(agent, reviewer, desk, settings)
+    scene = build_scene(agent, reviewer, second_reviewer, desk, settings)
     out = DOCS_DIR if os.environ.get("STEPWARD_SCREENSHOTS") == "1" else tmp_path
     run: Run = scene["run"]
 

@@ -32,6 +32,10 @@ from tests.console.conftest import (
 pytestmark = pytest.mark.usefixtures("tools")
 
 
+def decide(step: Step, decision: str) -> str:
+    return reverse("step_decide", args=[step.pk, decision])
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -43,48 +47,48 @@ class Case:
 
     def post(self, client: Client, step: Step, **extra: Any) -> Any:
         data = {"version": step.version, "reason": "checked with the customer", **self.data}
-        return client.post(reverse(self.url, args=[step.pk]), data, **extra)
+        return client.post(decide(step, self.url), data, **extra)
 
 
 CASES = [
-    Case("approve", "step_approve", lambda a, r, u: planned(a, r), State.PENDING, "approve_steps"),
-    Case("reject", "step_reject", lambda a, r, u: planned(a, r), State.REJECTED, "approve_steps"),
+    Case("approve", "approve", lambda a, r, u: planned(a, r), State.PENDING, "approve_steps"),
+    Case("reject", "reject", lambda a, r, u: planned(a, r), State.REJECTED, "approve_steps"),
     Case(
         "resolve-happened",
-        "step_resolve",
+        "resolve-happened",
         lambda a, r, u: unknown(a, r),
         State.COMPLETED,
         "resolve_unknown",
-        {"resolution": "happened", "external_id": "T-42", "evidence": "found in the desk"},
+        {"external_id": "T-42", "evidence": "found in the desk"},
     ),
     Case(
         "resolve-run-again",
-        "step_resolve",
+        "resolve-run-again",
         lambda a, r, u: unknown(a, r, tool="console.lookup"),
         State.PENDING,
         "resolve_unknown",
-        {"resolution": "run_again"},
+        {},
     ),
     Case(
         "resolve-give-up",
-        "step_resolve",
+        "resolve-give-up",
         lambda a, r, u: unknown(a, r),
         State.FAILED,
         "resolve_unknown",
-        {"resolution": "give_up"},
+        {},
     ),
-    Case("replay", "step_replay", lambda a, r, u: dead(a, r), State.PENDING, "replay_deadletter"),
-    Case("resume", "step_resume", lambda a, r, u: blocked(a, r), State.PENDING, "approve_steps"),
+    Case("replay", "replay", lambda a, r, u: dead(a, r), State.PENDING, "replay_deadletter"),
+    Case("resume", "resume", lambda a, r, u: blocked(a, r), State.PENDING, "approve_steps"),
     Case(
         "approve-compensation",
-        "step_approve",
+        "approve",
         lambda a, r, u: compensation(a, r, u),
         State.PENDING,
         "approve_compensation",
     ),
     Case(
         "reject-compensation",
-        "step_reject",
+        "reject",
         lambda a, r, u: compensation(a, r, u),
         State.REJECTED,
         "approve_compensation",
@@ -154,7 +158,7 @@ def test_a_decision_needs_a_reason(
     step = case.build(agent, run, owner)
     with unchanged(step):
         response = bob.post(
-            reverse(case.url, args=[step.pk]),
+            decide(step, case.url),
             {"version": step.version, "reason": reason, **case.data},
         )
     assert response.status_code == 422
@@ -185,9 +189,9 @@ def test_a_stale_htmx_decision_shows_the_message_in_the_region(
     bob: Client, alice: Client, agent: Agent, run: Run
 ) -> None:
     step = planned(agent, run)
-    alice.post(reverse("step_approve", args=[step.pk]), {"version": 1, "reason": "fine"})
+    alice.post(decide(step, "approve"), {"version": 1, "reason": "fine"})
     response = bob.post(
-        reverse("step_reject", args=[step.pk]),
+        decide(step, "reject"),
         {"version": step.version, "reason": "too risky"},
         **htmx(target="step"),
     )
@@ -203,10 +207,9 @@ def test_it_happened_records_the_external_id_and_the_evidence(
 ) -> None:
     step = unknown(agent, run)
     bob.post(
-        reverse("step_resolve", args=[step.pk]),
+        decide(step, "resolve-happened"),
         {
             "version": step.version,
-            "resolution": "happened",
             "external_id": "T-42",
             "evidence": "seen in the desk",
             "reason": "found it",
@@ -225,34 +228,33 @@ def test_run_again_is_refused_for_a_write_that_cannot_be_checked(
     step = unknown(agent, run)
     with unchanged(step):
         response = bob.post(
-            reverse("step_resolve", args=[step.pk]),
-            {"version": step.version, "resolution": "run_again", "reason": "try again"},
+            decide(step, "resolve-run-again"),
+            {"version": step.version, "reason": "try again"},
         )
     assert response.status_code == 409
     assert "not safe to send again" in read(response).text
 
 
-def test_an_unknown_resolution_is_a_form_error(bob: Client, agent: Agent, run: Run) -> None:
+def test_an_unknown_decision_is_not_found(bob: Client, agent: Agent, run: Run) -> None:
     step = unknown(agent, run)
     with unchanged(step):
         response = bob.post(
-            reverse("step_resolve", args=[step.pk]),
-            {"version": step.version, "resolution": "maybe", "reason": "hmm"},
+            decide(step, "resolve-maybe"), {"version": step.version, "reason": "hmm"}
         )
-    assert response.status_code == 422
+    assert response.status_code == 404
 
 
 def test_a_missing_version_is_a_form_error(bob: Client, agent: Agent, run: Run) -> None:
     step = planned(agent, run)
     with unchanged(step):
-        response = bob.post(reverse("step_approve", args=[step.pk]), {"reason": "fine"})
+        response = bob.post(decide(step, "approve"), {"reason": "fine"})
     assert response.status_code == 422
 
 
 def test_decisions_answer_only_post(bob: Client, agent: Agent, run: Run) -> None:
     step = planned(agent, run)
     with unchanged(step):
-        response = bob.get(reverse("step_approve", args=[step.pk]))
+        response = bob.get(decide(step, "approve"))
     assert response.status_code == 405
 
 
@@ -263,9 +265,7 @@ def test_a_decision_without_the_csrf_token_is_refused(
     client.force_login(reviewer)
     step = planned(agent, run)
     with unchanged(step):
-        response = client.post(
-            reverse("step_approve", args=[step.pk]), {"version": step.version, "reason": "ok"}
-        )
+        response = client.post(decide(step, "approve"), {"version": step.version, "reason": "ok"})
     assert response.status_code == 403
 
 
@@ -277,7 +277,7 @@ def test_looking_up_again_needs_only_review_steps_and_is_recorded(
 ) -> None:
     step = unknown(agent, run, tool="console.lookup")
     response = dave.post(
-        reverse("step_probe", args=[step.pk]),
+        decide(step, "probe"),
         {"version": step.version, "reason": "the desk was down earlier"},
     )
     assert response.status_code == 302
@@ -291,11 +291,9 @@ def test_looking_up_again_needs_only_review_steps_and_is_recorded(
 def test_looking_up_again_on_a_stale_page_is_409(bob: Client, agent: Agent, run: Run) -> None:
     step = unknown(agent, run, tool="console.lookup")
     stale = step.version
-    bob.post(reverse("step_probe", args=[step.pk]), {"version": stale, "reason": "once"})
+    bob.post(decide(step, "probe"), {"version": stale, "reason": "once"})
     with unchanged(step):
-        response = bob.post(
-            reverse("step_probe", args=[step.pk]), {"version": stale, "reason": "twice"}
-        )
+        response = bob.post(decide(step, "probe"), {"version": stale, "reason": "twice"})
     assert response.status_code == 409
     assert "already handled by user:bob" in read(response).text
 
@@ -304,7 +302,7 @@ def test_looking_up_again_needs_a_reason_and_hides_from_outsiders(
     bob: Client, charlie: Client, agent: Agent, run: Run
 ) -> None:
     step = unknown(agent, run, tool="console.lookup")
-    url = reverse("step_probe", args=[step.pk])
+    url = decide(step, "probe")
     with unchanged(step):
         assert bob.post(url, {"version": step.version, "reason": ""}).status_code == 422
         assert charlie.post(url, {"version": step.version, "reason": "x"}).status_code == 404
@@ -318,7 +316,7 @@ def test_requesting_a_compensation_creates_a_planned_step_that_undoes_it(
 ) -> None:
     step = completed(agent, run)
     response = bob.post(
-        reverse("step_compensate", args=[step.pk]),
+        decide(step, "compensate"),
         {"version": step.version, "reason": "opened by mistake"},
     )
     assert response.status_code == 302
@@ -336,16 +334,14 @@ def test_requesting_a_compensation_needs_approve_compensation(
     dave: Client, agent: Agent, run: Run
 ) -> None:
     step = completed(agent, run)
-    response = dave.post(
-        reverse("step_compensate", args=[step.pk]), {"version": step.version, "reason": "undo"}
-    )
+    response = dave.post(decide(step, "compensate"), {"version": step.version, "reason": "undo"})
     assert response.status_code == 403
     assert not Step.objects.filter(compensates=step).exists()
 
 
 def test_a_second_compensation_request_is_409(bob: Client, agent: Agent, run: Run) -> None:
     step = completed(agent, run)
-    url = reverse("step_compensate", args=[step.pk])
+    url = decide(step, "compensate")
     bob.post(url, {"version": step.version, "reason": "undo"})
     response = bob.post(url, {"version": step.version, "reason": "undo again"})
     assert response.status_code == 409
@@ -354,9 +350,7 @@ def test_a_second_compensation_request_is_409(bob: Client, agent: Agent, run: Ru
 
 def test_compensating_an_irreversible_step_is_409(bob: Client, agent: Agent, run: Run) -> None:
     step = completed(agent, run, tool="console.undo")
-    response = bob.post(
-        reverse("step_compensate", args=[step.pk]), {"version": step.version, "reason": "undo"}
-    )
+    response = bob.post(decide(step, "compensate"), {"version": step.version, "reason": "undo"})
     assert response.status_code == 409
     assert "irreversible" in read(response).text
     assert not Step.objects.filter(compensates=step).exists()
@@ -364,8 +358,6 @@ def test_compensating_an_irreversible_step_is_409(bob: Client, agent: Agent, run
 
 def test_an_outsider_cannot_request_a_compensation(charlie: Client, agent: Agent, run: Run) -> None:
     step = completed(agent, run)
-    response = charlie.post(
-        reverse("step_compensate", args=[step.pk]), {"version": step.version, "reason": "undo"}
-    )
+    response = charlie.post(decide(step, "compensate"), {"version": step.version, "reason": "undo"})
     assert response.status_code == 404
     assert not Step.objects.filter(compensates=step).exists()

@@ -10,6 +10,7 @@ from django.contrib.auth.models import User
 from django.test import Client
 from django.urls import reverse
 
+from executor import decisions
 from executor.models import Agent, Run
 from tests.console.conftest import dead, htmx, planned, read
 
@@ -75,18 +76,7 @@ def test_every_console_url_sends_an_anonymous_visitor_to_sign_in(
 def test_every_decision_sends_an_anonymous_visitor_to_sign_in(
     client: Client, step: Any, run: Run
 ) -> None:
-    urls = [
-        reverse(name, args=[step.pk])
-        for name in (
-            "step_approve",
-            "step_reject",
-            "step_resolve",
-            "step_probe",
-            "step_replay",
-            "step_resume",
-            "step_compensate",
-        )
-    ]
+    urls = [reverse("step_decide", args=[step.pk, d.name]) for d in decisions.DECISIONS]
     urls += [reverse("run_extend", args=[run.pk]), reverse("deadletters_replay")]
     for url in urls:
         response = client.post(url, {"version": 1, "reason": "x"})

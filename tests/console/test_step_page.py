@@ -144,13 +144,24 @@ def test_an_irreversible_step_says_so_instead_of_offering_compensation(
 
 
 def test_a_compensation_step_shows_what_it_undoes(
-    bob: Client, reviewer: Any, agent: Agent, run: Run
+    bob: Client, owner: Any, agent: Agent, run: Run
 ) -> None:
-    comp = compensation(agent, run, reviewer)
+    comp = compensation(agent, run, owner)
     page = read(page_of(bob, comp))
     assert "Undoes undo-me" in page.text
     assert decision_forms(page_of(bob, comp)) == {"approve", "reject"}
     assert page.form("decision-approve").buttons == ["Approve this compensation"]
+
+
+def test_who_asked_for_a_compensation_is_not_offered_its_approval(
+    bob: Client, reviewer: Any, agent: Agent, run: Run
+) -> None:
+    comp = compensation(agent, run, reviewer)
+    page = read(page_of(bob, comp))
+    assert "bob" in page.text  # the "asked by" heading
+    assert decision_forms(page_of(bob, comp)) == {"reject"}
+    assert "decision-approve-unavailable" in page.testids()
+    assert "You requested this step yourself: another reviewer must approve it" in page.text
 
 
 def test_every_decision_form_posts_with_csrf_a_labelled_reason_and_the_version(
@@ -183,7 +194,7 @@ def test_the_it_happened_form_asks_for_the_external_id_and_evidence(
     form = page.form("decision-resolve-happened")
     assert page.label_for(form.field("external_id")["id"]) == "External id"
     assert page.label_for(form.field("evidence")["id"]) == "Evidence"
-    assert form.field("resolution")["value"] == "happened"
+    assert form.attrs["action"] == reverse("step_decide", args=[step.pk, "resolve-happened"])
 
 
 def test_a_reviewer_without_the_permission_sees_why_instead_of_a_form(

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from executor import faults
-from executor.models import Phase, Step
+from executor import faults, services
+from executor.models import Phase, Run, Step
 from executor.states import State
 from tests.recovery.conftest import Cluster, Stall
 from tests.recovery.processes import tcp_connected
@@ -229,9 +229,11 @@ def mail_count(mail_dir: Path, step: Step) -> int:
 
 
 def test_an_irreversible_write_without_lookup_waits_for_a_person_after_a_crash(
-    cluster: Cluster, post: Callable[..., Step]
+    cluster: Cluster, post: Callable[..., Step], run: Run
 ) -> None:
     """§7 row `submitting`, none of these: unknown, and never retried automatically."""
+    # email.send waits for approval by default (issue 11); this test is about the crash.
+    services.tool_policy_set(workspace=run.workspace, tool="email.send", approval="never")
     worker = cluster.worker().start(faults="after_submit:1.0")
     step = post("email.send", {"to": "ops@example.com", "subject": "disk full", "body": "df -h"})
     assert worker.wait_dead(seconds=60, diagnose=cluster.diagnose) == faults.CRASH_EXIT_STATUS
