@@ -12,6 +12,8 @@ import math
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Annotated, Any, cast
 
@@ -27,7 +29,7 @@ from ninja.security import HttpBearer
 from ninja.throttling import AuthRateThrottle
 from ninja.types import DictStrAny
 
-from executor import logcontext, selectors, services
+from executor import limits, logcontext, selectors, services
 from executor.http import ERROR_CODES, error_response
 from executor.models import Agent, Run, Step, Tool, hash_token
 from executor.redaction import redact
@@ -57,7 +59,21 @@ STEPS_PAGE_MAX = 1000
 
 
 class AgentToken(HttpBearer):
-    """`Authorization: Bearer <token>`: an active agent whose token hashes to a stored hash."""
+    """`Authorization: Bearer <token>`: an active agent whose token hashes to a stored hash.
+
+    Requests whose token is missing or unknown are counted per client address; past
+    `settings.API_BAD_TOKEN_RATE` they answer 429 instead of 401. A valid token is never
+    refused by that count, even from an address over it: agents often share an address (one
+    host, a NAT, a proxy), and one agent's stale token, or anyone sending junk from there,
+    must not lock the others out. Guessing is no way in anyway (a token holds 256 random
+    bits); the count makes a client stuck on a bad token back off (Retry-After).
+    """
+
+    def __call__(self, request: HttpRequest) -> Agent | None:
+        agent = super().__call__(request)
+        if agent is None:
+            refuse_if_too_many_bad_tokens(request)
+        return cast(Agent | None, agent)
 
     def authenticate(self, request: HttpRequest, token: str) -> Agent | None:
         token = token.strip()
@@ -76,6 +92,86 @@ class AgentToken(HttpBearer):
             Agent.objects.filter(pk=agent.pk).update(last_seen_at=now)
             agent.last_seen_at = now
         return agent
+
+
+class Refused(Throttled):
+    """A 429 with its own message and details (ninja's Throttled says only "too many")."""
+
+    def __init__(self, wait: float, message: str, details: dict[str, Any] | None = None) -> None:
+        super().__init__(wait=math.ceil(max(1.0, wait)))
+        self.message = message
+        self.details = details or {}
+
+
+BAD_TOKENS = limits.WindowLimit("bad_tokens")
+LONG_POLLS = limits.ConcurrencyLimit("waits")
+# A long-poll's slot outlives its wait by this much at most: the reads around the wait.
+LONG_POLL_GRACE_SECONDS = 30
+
+
+def client_address(request: HttpRequest) -> str:
+    """The peer's address, or, with API_CLIENT_ADDRESS_HEADER set, the last entry of that
+    header: the one written by the proxy in front of Stepward (entries before it are the
+    client's own word)."""
+    header = settings.API_CLIENT_ADDRESS_HEADER
+    if header:
+        entries = [entry.strip() for entry in request.headers.get(header, "").split(",")]
+        entries = [entry for entry in entries if entry]
+        if entries:
+            return entries[-1]
+    return str(request.META.get("REMOTE_ADDR") or "unknown")
+
+
+def refuse_if_too_many_bad_tokens(request: HttpRequest) -> None:
+    rate = limits.parse_rate(settings.API_BAD_TOKEN_RATE)
+    if rate is None:
+        return
+    count, period = rate
+    address = client_address(request)
+    wait = BAD_TOKENS.hit(limits.cache_safe(address), count=count, period=period)
+    if wait is not None:
+        raise Refused(
+            wait,
+            "too many requests without a valid token from this address",
+            {"limit": settings.API_BAD_TOKEN_RATE},
+        )
+
+
+def _long_poll_holder(agent: Agent) -> str:
+    # With the token's hash, like the rate limit: a recycled primary key starts afresh.
+    return f"{agent.pk}_{agent.token_hash[:16]}"
+
+
+def long_polls_held(agent: Agent) -> int:
+    """How many long-polls the agent holds now (in this cache: all web processes with
+    CACHE_URL set)."""
+    return LONG_POLLS.held(_long_poll_holder(agent), limit=settings.API_MAX_WAITS_PER_AGENT)
+
+
+@contextmanager
+def long_poll_slot(agent: Agent, seconds: float) -> Iterator[None]:
+    """Holds one of the agent's API_MAX_WAITS_PER_AGENT long-poll slots while the block runs,
+    or refuses with 429: each wait holds a web thread, and one agent must not hold them all."""
+    limit = settings.API_MAX_WAITS_PER_AGENT
+    holder = _long_poll_holder(agent)
+    slot = LONG_POLLS.acquire(
+        holder, limit=limit, hold_seconds=seconds, ttl=seconds + LONG_POLL_GRACE_SECONDS
+    )
+    if slot is None:
+        held = (
+            f"this agent already holds {limit} long-polls (?wait=); wait for one to end"
+            if limit
+            else "long-polls (?wait=) are turned off here"
+        )
+        raise Refused(
+            LONG_POLLS.seconds_until_free(holder, limit=limit),
+            f"{held}, or read the step without ?wait=",
+            {"limit": limit},
+        )
+    try:
+        yield
+    finally:
+        LONG_POLLS.release(slot)
 
 
 class AgentRateThrottle(AuthRateThrottle):
@@ -215,8 +311,11 @@ def on_authentication_error(request: HttpRequest, exc: AuthenticationError) -> H
 @api.exception_handler(Throttled)
 def on_throttled(request: HttpRequest, exc: Throttled) -> HttpResponse:
     retry_after = math.ceil(exc.wait) if exc.wait else 1
+    message, details = "too many requests", {}
+    if isinstance(exc, Refused):
+        message, details = exc.message, exc.details
     response = error_response(
-        429, "rate_limited", "too many requests", {"retry_after_seconds": retry_after}
+        429, "rate_limited", message, {"retry_after_seconds": retry_after, **details}
     )
     response["Retry-After"] = str(retry_after)
     return response
@@ -512,7 +611,9 @@ def run_steps(
     description=(
         "`wait` (seconds, 0 to 30) holds the answer until the step's `version` changes, "
         "then answers the step as it is. To miss no change between two reads, pass the "
-        "`version` you last saw: the answer comes at once if the step has moved on since."
+        "`version` you last saw: the answer comes at once if the step has moved on since. "
+        "An agent holds at most API_MAX_WAITS_PER_AGENT waits at once (default 2): one "
+        "more answers 429 with Retry-After."
     ),
     by_alias=True,
 )
@@ -533,7 +634,8 @@ def step_get(
     step = _step_or_404(agent, step_id)
     seen = step.version if version is None else version
     if wait > 0 and step.version == seen:
-        wait_for_new_version(step.pk, seen, wait)
+        with long_poll_slot(agent, wait):
+            wait_for_new_version(step.pk, seen, wait)
         step = _step_or_404(agent, step_id)
     return step_out(step)
 
