@@ -182,7 +182,11 @@ EXECUTOR_APPROVAL_MAX_AGE = env_int("EXECUTOR_APPROVAL_MAX_AGE", 24 * 3600)
 EXECUTOR_ALLOW_FAULTS = env_bool("EXECUTOR_ALLOW_FAULTS", False)
 EXECUTOR_FAULTS = os.environ.get("EXECUTOR_FAULTS", "")
 EXECUTOR_SWEEP_SECONDS = float(os.environ.get("EXECUTOR_SWEEP_SECONDS", "5"))
-EXECUTOR_HTTP_ALLOWED_HOSTS = env_list("EXECUTOR_HTTP_ALLOWED_HOSTS", "127.0.0.1,localhost")
+# What `http.get` may read: `host` (on the scheme's default port) or `host:port`. Empty by
+# default: an agent's step reaches nothing that was not named here.
+EXECUTOR_HTTP_ALLOWED_HOSTS = env_list("EXECUTOR_HTTP_ALLOWED_HOSTS", "")
+# `http.get` stops reading a response after this many bytes (its result says it was cut).
+EXECUTOR_HTTP_MAX_RESPONSE_BYTES = env_int("EXECUTOR_HTTP_MAX_RESPONSE_BYTES", 1024 * 1024)
 TICKETDESK_URL = os.environ.get("TICKETDESK_URL", "http://127.0.0.1:8765")
 TICKETDESK_TIMEOUT_SECONDS = float(os.environ.get("TICKETDESK_TIMEOUT_SECONDS", "10"))
 

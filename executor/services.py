@@ -526,6 +526,11 @@ def _check_new_step(
         agent.user_id, "use_tool", tool=request.tool
     ):
         raise NotPermitted(f"this agent may not use the tool {request.tool!r}")
+    # After the permissions: what a tool may reach is no business of an agent that may not
+    # use it.
+    refusals = tool.check_input(request.input)
+    if refusals:
+        raise Invalid(f"{request.tool} refuses this input: {refusals[0]}", {"input": refusals})
     missing = [k for k in depends_on if k not in known and k not in seen]
     if missing:
         raise Invalid(
