@@ -642,9 +642,14 @@ def step_get(
 
 @api.post(
     "/runs/{run_id}/cancel",
-    response={200: RunOut, **errors(400, 404, 413, 422)},
+    response={200: RunOut, **errors(400, 403, 404, 409, 413, 422)},
     operation_id="run_cancel",
     summary="Cancel the run: steps not yet submitted are cancelled; in-flight ones finish",
+    description=(
+        "Needs submit_steps on the workspace (403 otherwise); any run of the workspace may "
+        "be cancelled. Cancelling a cancelled run again answers it as it is; a closed run "
+        "is a 409."
+    ),
 )
 def run_cancel(
     request: HttpRequest, run_id: RunId, payload: CancelIn | None = None
@@ -652,7 +657,7 @@ def run_cancel(
     agent = _agent(request)
     run = _run_or_404(agent, run_id)
     reason = (payload.reason if payload else None) or ""
-    run = services.run_cancel(run=run, actor=services.agent_actor(agent), reason=reason)
+    run = services.run_cancel(run=run, actor=agent, reason=reason)
     return run_out(run)
 
 

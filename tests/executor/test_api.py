@@ -679,6 +679,42 @@ def test_cancelling_needs_no_body_and_may_be_repeated(api: ApiClient, run: Any) 
     assert again.json()["status"] == "cancelled"
 
 
+def test_cancelling_without_submit_steps_answers_403_and_cancels_nothing(
+    api: ApiClient, run: Any, agent: Agent
+) -> None:
+    posted = post_step(api, run.pk, key="queued").json()
+    remove_perm("executor.submit_steps", agent.user, agent.workspace)
+
+    response = api.post(f"{API}/runs/{run.pk}/cancel", {"reason": "not mine to stop"})
+
+    assert response.status_code == 403
+    assert error_of(response)["code"] == "forbidden"
+    assert Run.objects.get(pk=run.pk).status == "open"
+    assert Step.objects.get(pk=posted["id"]).state == State.PENDING
+
+
+def test_an_agent_with_submit_steps_may_cancel_another_agents_run_in_its_workspace(
+    api: ApiClient, agent: Agent
+) -> None:
+    # The workspace is the unit of permission: as it may post to any run there, it may stop one.
+    colleague, token = services.agent_create(workspace=agent.workspace, name="bob-bot")
+    theirs = ApiClient(AgentAuth(colleague, token)).post(f"{API}/runs", {"name": "bob's"}).json()
+
+    response = api.post(f"{API}/runs/{theirs['id']}/cancel", {"reason": "supervisor stop"})
+
+    assert response.status_code == 200
+    assert response.json()["status"] == "cancelled"
+
+
+def test_cancelling_a_closed_run_answers_409(api: ApiClient, run: Any) -> None:
+    Run.objects.filter(pk=run.pk).update(status="closed")
+
+    response = api.post(f"{API}/runs/{run.pk}/cancel")
+
+    assert response.status_code == 409
+    assert error_of(response)["code"] == "conflict"
+
+
 def test_the_report_sorts_steps_into_sections(api: ApiClient, run: Any) -> None:
     done = step_in(run, State.COMPLETED, key="done")
     step_in(run, State.UNKNOWN, key="maybe")
