@@ -972,6 +972,29 @@ def test_a_body_over_64_kib_answers_413_and_stores_nothing(api: ApiClient, run: 
     assert not Step.objects.filter(run=run).exists()
 
 
+def post_chunked(api: ApiClient, path: str, body: bytes, **environ: Any) -> Any:
+    """A body sent chunked, as Django sees it: no Content-Length. (The test client cannot
+    de-chunk: tests/executor/test_web_server.py sends real chunks to gunicorn.)"""
+    return api.client.post(
+        path,
+        data=body,
+        content_type="application/json",
+        CONTENT_LENGTH="",
+        HTTP_TRANSFER_ENCODING="chunked",
+        **api.headers,
+        **environ,
+    )
+
+
+def test_a_chunked_body_where_the_server_cannot_read_it_answers_411(api: ApiClient) -> None:
+    # runserver hands Django the raw chunks and no length: better refused than read as empty.
+    response = post_chunked(api, f"{API}/runs", b'{"name": "chunked"}')
+
+    assert response.status_code == 411
+    assert error_of(response)["code"] == "length_required"
+    assert not Run.objects.exists()
+
+
 def test_too_many_requests_answer_429_with_retry_after(
     api: ApiClient, other_api: ApiClient, settings: Any
 ) -> None:
