@@ -275,8 +275,17 @@ api = NinjaAPI(
 
 
 def errors(*statuses: int) -> dict[int, type[ErrorOut]]:
-    """The error answers an operation can give, for its OpenAPI description."""
-    return dict.fromkeys((401, 429, *statuses), ErrorOut)
+    """The error answers an operation can give, for its OpenAPI description: 401 and 429
+    (the per-agent rate, bad tokens per address) for every one, and `statuses`."""
+    return dict.fromkeys(sorted({401, 429, *statuses}), ErrorOut)
+
+
+# What any operation with a JSON body may answer before its handler runs: 400 (not JSON, or
+# a Content-Length that is not a number), 411 (a chunked body on a server that cannot read
+# one), 413 (over the size limit), 422 (does not fit the schema).
+BODY_ERRORS = (400, 411, 413, 422)
+# An operation with query parameters answers 422 for a value that does not fit them.
+QUERY_ERRORS = (422,)
 
 
 @api.exception_handler(ValidationError)
@@ -485,7 +494,7 @@ def tools_list(request: HttpRequest) -> list[dict[str, Any]]:
 
 @api.post(
     "/runs",
-    response={200: RunOut, 201: RunOut, **errors(400, 403, 413, 422)},
+    response={200: RunOut, 201: RunOut, **errors(*BODY_ERRORS, 403, 409)},
     operation_id="run_create",
     summary="Create a run (201), or get the run already created with this key (200)",
 )
@@ -515,7 +524,7 @@ def run_get(request: HttpRequest, run_id: RunId) -> dict[str, Any]:
 
 @api.post(
     "/runs/{run_id}/steps",
-    response={200: StepOut, 201: StepOut, **errors(400, 403, 404, 409, 413, 422)},
+    response={200: StepOut, 201: StepOut, **errors(*BODY_ERRORS, 403, 404, 409)},
     operation_id="step_post",
     summary="Post a step (201); the same key and call again answers the existing step (200)",
     description=(
@@ -541,7 +550,7 @@ def step_post(request: HttpRequest, payload: StepIn, run_id: RunId) -> Status[di
 
 @api.post(
     "/runs/{run_id}/steps/batch",
-    response={200: StepsBatchOut, 201: StepsBatchOut, **errors(400, 403, 404, 409, 413, 422)},
+    response={200: StepsBatchOut, 201: StepsBatchOut, **errors(*BODY_ERRORS, 403, 404, 409)},
     operation_id="steps_post_batch",
     summary="Post up to 500 steps at once, all or nothing (201 when any was created)",
     description=(
@@ -581,7 +590,7 @@ def steps_post_batch(
 
 @api.get(
     "/runs/{run_id}/steps",
-    response={200: list[StepOut], **errors(404)},
+    response={200: list[StepOut], **errors(404, *QUERY_ERRORS)},
     operation_id="run_steps",
     summary="The run's steps in posting order",
     description=(
@@ -605,7 +614,7 @@ def run_steps(
 
 @api.get(
     "/steps/{step_id}",
-    response={200: StepOut, **errors(404, 422)},
+    response={200: StepOut, **errors(404, *QUERY_ERRORS)},
     operation_id="step_get",
     summary="A step; with ?wait=N, held until it changes or N seconds pass",
     description=(
@@ -642,7 +651,7 @@ def step_get(
 
 @api.post(
     "/runs/{run_id}/cancel",
-    response={200: RunOut, **errors(400, 403, 404, 409, 413, 422)},
+    response={200: RunOut, **errors(*BODY_ERRORS, 403, 404, 409)},
     operation_id="run_cancel",
     summary="Cancel the run: steps not yet submitted are cancelled; in-flight ones finish",
     description=(
@@ -663,7 +672,7 @@ def run_cancel(
 
 @api.get(
     "/runs/{run_id}/report",
-    response={200: ReportOut, **errors(404)},
+    response={200: ReportOut, **errors(404, *QUERY_ERRORS)},
     operation_id="run_report",
     summary="What the run did: completed (with evidence), uncertain, failed, compensated",
 )

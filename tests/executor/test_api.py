@@ -244,6 +244,14 @@ def test_an_agent_without_submit_steps_may_not_create_runs(api: ApiClient, agent
         {"name": "ok", "budget": {"max_cost": -1}},
         {"name": "ok", "budget": {"max_cost": 0.00001}},
         {"name": "ok", "budget": {"max_cost": 10**12}},
+        {"name": "ok", "budget": {"max_cost": "lots"}},
+        {"name": "ok", "budget": {"max_cost": "1e3"}},
+        {"name": "ok", "budget": {"max_cost": "-1"}},
+        {"name": "ok", "budget": {"max_cost": "1.23456"}},
+        {"name": "ok", "budget": {"max_cost": "NaN"}},
+        {"name": "ok", "budget": {"max_cost": " 1"}},
+        {"name": "ok", "budget": {"max_cost": "12345678901"}},
+        {"name": "ok", "budget": {"max_cost": True}},
         {"name": "ok", "budget": {"deadline_seconds": 0}},
         {"name": "ok", "budget": {"deadline_seconds": -5}},
         {"name": "ok", "budget": {"deadline_seconds": 10**12}},
@@ -1024,7 +1032,21 @@ def test_a_rate_limited_post_stores_nothing(api: ApiClient, settings: Any) -> No
     assert not Run.objects.filter(name="over the limit").exists()
 
 
+@pytest.mark.parametrize(
+    ("sent", "stored"),
+    [("12.5", "12.5"), ("0.1234", "0.1234"), ("9999999999.9999", "9999999999.9999"), ("7", "7")],
+)
+def test_budget_max_cost_is_taken_as_a_decimal_string(
+    api: ApiClient, sent: str, stored: str
+) -> None:
+    response = api.post(f"{API}/runs", {"name": "b", "budget": {"max_cost": sent}})
+
+    assert response.status_code == 201
+    assert Run.objects.get(pk=response.json()["id"]).max_cost == Decimal(stored)
+
+
 def test_budget_max_cost_keeps_its_decimal_places(api: ApiClient) -> None:
+    # A JSON number is still taken, for the clients that send one (API.md's first shape).
     body = api.post(f"{API}/runs", {"name": "b", "budget": {"max_cost": 0.1234}}).json()
 
     assert Run.objects.get(pk=body["id"]).max_cost == Decimal("0.1234")
