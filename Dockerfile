@@ -4,6 +4,14 @@
 #   (SECRET_KEY, or SECRET_KEY_FILE=/run/secrets/...; HTTPS_ONLY=1 behind a TLS proxy)
 #   docker run ... stepward celery -A console worker --loglevel INFO
 #   docker run ... stepward celery -A console beat --loglevel INFO
+# Resource limits (README, "Resource limits"), each with a working default; pass with -e:
+#   API_MAX_WAITS_PER_AGENT=2            long-polls (?wait=) one agent may hold at once
+#   API_BAD_TOKEN_RATE=30/min            requests without a valid token, per client address
+#   API_CLIENT_ADDRESS_HEADER=           behind a proxy you run: the header it writes the
+#                                        client's address to (e.g. X-Forwarded-For)
+#   EXECUTOR_HTTP_ALLOWED_HOSTS=         host or host:port http.get may read (empty: none)
+#   EXECUTOR_HTTP_MAX_RESPONSE_BYTES=1048576
+#   CACHE_URL=redis://...                makes the limits hold across the web processes below
 FROM python:3.13-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \

@@ -255,6 +255,13 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = max(API_MAX_BODY_BYTES, API_MAX_BATCH_BODY_BYTES)
 # Requests per minute per agent token; a shared CACHE_URL makes it hold across web processes.
 API_RATE_LIMIT = os.environ.get("API_RATE_LIMIT", "1200/min")
 API_MAX_WAIT_SECONDS = 30
+# Long-polls (`?wait=`) one agent may hold at once; each holds a web thread while it waits.
+API_MAX_WAITS_PER_AGENT = env_int("API_MAX_WAITS_PER_AGENT", 2)
+# Requests with a missing or unknown token, per client address ("" or "off": no limit).
+API_BAD_TOKEN_RATE = os.environ.get("API_BAD_TOKEN_RATE", "30/min")
+# Unset, the client address is the peer's (REMOTE_ADDR). Behind a proxy you run, the header
+# it sets (e.g. X-Forwarded-For): its last entry, the one that proxy wrote, is taken.
+API_CLIENT_ADDRESS_HEADER = os.environ.get("API_CLIENT_ADDRESS_HEADER", "")
 # With it set, GET /metrics needs `Authorization: Bearer <METRICS_TOKEN>` (API.md).
 METRICS_TOKEN = os.environ.get("METRICS_TOKEN", "")
 
@@ -278,7 +285,11 @@ EXECUTOR_ALLOW_SELF_APPROVAL = env_bool("EXECUTOR_ALLOW_SELF_APPROVAL", False)
 EXECUTOR_ALLOW_FAULTS = env_bool("EXECUTOR_ALLOW_FAULTS", False)
 EXECUTOR_FAULTS = os.environ.get("EXECUTOR_FAULTS", "")
 EXECUTOR_SWEEP_SECONDS = float(os.environ.get("EXECUTOR_SWEEP_SECONDS", "5"))
-EXECUTOR_HTTP_ALLOWED_HOSTS = env_list("EXECUTOR_HTTP_ALLOWED_HOSTS", "127.0.0.1,localhost")
+# What `http.get` may read: `host` (on the scheme's default port) or `host:port`. Empty by
+# default: an agent's step reaches nothing that was not named here.
+EXECUTOR_HTTP_ALLOWED_HOSTS = env_list("EXECUTOR_HTTP_ALLOWED_HOSTS", "")
+# `http.get` stops reading a response after this many bytes (its result says it was cut).
+EXECUTOR_HTTP_MAX_RESPONSE_BYTES = env_int("EXECUTOR_HTTP_MAX_RESPONSE_BYTES", 1024 * 1024)
 TICKETDESK_URL = os.environ.get("TICKETDESK_URL", "http://127.0.0.1:8765")
 TICKETDESK_TIMEOUT_SECONDS = float(os.environ.get("TICKETDESK_TIMEOUT_SECONDS", "10"))
 

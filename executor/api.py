@@ -12,6 +12,8 @@ import math
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Annotated, Any, cast
 
@@ -26,7 +28,7 @@ from ninja.security import HttpBearer
 from ninja.throttling import AuthRateThrottle
 from ninja.types import DictStrAny
 
-from executor import logcontext, selectors, services
+from executor import limits, logcontext, selectors, services
 from executor.http import ERROR_CODES, error_response
 from executor.models import Agent, Run, Step, hash_token
 from executor.redaction import redact
@@ -55,7 +57,21 @@ STEPS_PAGE_MAX = 1000
 
 
 class AgentToken(HttpBearer):
-    """`Authorization: Bearer <token>`: an active agent whose token hashes to a stored hash."""
+    """`Authorization: Bearer <token>`: an active agent whose token hashes to a stored hash.
+
+    Requests whose token is missing or unknown are counted per client address; past
+    `settings.API_BAD_TOKEN_RATE` they answer 429 instead of 401. A valid token is never
+    refused by that count, even from an address over it: agents often share an address (one
+    host, a NAT, a proxy), and one agent's stale token, or anyone sending junk from there,
+    must not lock the others out. Guessing is no way in anyway (a token holds 256 random
+    bits); the count makes a client stuck on a bad token back off (Retry-After).
+    """
+
+    def __call__(self, request: HttpRequest) -> Agent | None:
+        agent = super().__call__(request)
+        if agent is None:
+            refuse_if_too_many_bad_tokens(request)
+        return cast(Agent | None, agent)
 
     def authenticate(self, request: HttpRequest, token: str) -> Agent | None:
         token = token.strip()
@@ -74,6 +90,86 @@ class AgentToken(HttpBearer):
             Agent.objects.filter(pk=agent.pk).update(last_seen_at=now)
             agent.last_seen_at = now
         return agent
+
+
+class Refused(Throttled):
+    """A 429 with its own message and details (ninja's Throttled says only "too many")."""
+
+    def __init__(self, wait: float, message: str, details: dict[str, Any] | None = None) -> None:
+        super().__init__(wait=math.ceil(max(1.0, wait)))
+        self.message = message
+        self.details = details or {}
+
+
+BAD_TOKENS = limits.WindowLimit("bad_tokens")
+LONG_POLLS = limits.ConcurrencyLimit("waits")
+# A long-poll's slot outlives its wait by this much at most: the reads around the wait.
+LONG_POLL_GRACE_SECONDS = 30
+
+
+def client_address(request: HttpRequest) -> str:
+    """The peer's address, or, with API_CLIENT_ADDRESS_HEADER set, the last entry of that
+    header: the one written by the proxy in front of Stepward (entries before it are the
+    client's own word)."""
+    header = settings.API_CLIENT_ADDRESS_HEADER
+    if header:
+        entries = [entry.strip() for entry in request.headers.get(header, "").split(",")]
+        entries = [entry for entry in entries if entry]
+        if entries:
+            return entries[-1]
+    return str(request.META.get("REMOTE_ADDR") or "unknown")
+
+
+def refuse_if_too_many_bad_tokens(request: HttpRequest) -> None:
+    rate = limits.parse_rate(settings.API_BAD_TOKEN_RATE)
+    if rate is None:
+        return
+    count, period = rate
+    address = client_address(request)
+    wait = BAD_TOKENS.hit(limits.cache_safe(address), count=count, period=period)
+    if wait is not None:
+        raise Refused(
+            wait,
+            "too many requests without a valid token from this address",
+            {"limit": settings.API_BAD_TOKEN_RATE},
+        )
+
+
+def _long_poll_holder(agent: Agent) -> str:
+    # With the token's hash, like the rate limit: a recycled primary key starts afresh.
+    return f"{agent.pk}_{agent.token_hash[:16]}"
+
+
+def long_polls_held(agent: Agent) -> int:
+    """How many long-polls the agent holds now (in this cache: all web processes with
+    CACHE_URL set)."""
+    return LONG_POLLS.held(_long_poll_holder(agent), limit=settings.API_MAX_WAITS_PER_AGENT)
+
+
+@contextmanager
+def long_poll_slot(agent: Agent, seconds: float) -> Iterator[None]:
+    """Holds one of the agent's API_MAX_WAITS_PER_AGENT long-poll slots while the block runs,
+    or refuses with 429: each wait holds a web thread, and one agent must not hold them all."""
+    limit = settings.API_MAX_WAITS_PER_AGENT
+    holder = _long_poll_holder(agent)
+    slot = LONG_POLLS.acquire(
+        holder, limit=limit, hold_seconds=seconds, ttl=seconds + LONG_POLL_GRACE_SECONDS
+    )
+    if slot is None:
+        held = (
+            f"this agent already holds {limit} long-polls (?wait=); wait for one to end"
+            if limit
+            else "long-polls (?wait=) are turned off here"
+        )
+        raise Refused(
+            LONG_POLLS.seconds_until_free(holder, limit=limit),
+            f"{held}, or read the step without ?wait=",
+            {"limit": limit},
+        )
+    try:
+        yield
+    finally:
+        LONG_POLLS.release(slot)
 
 
 class AgentRateThrottle(AuthRateThrottle):
@@ -177,8 +273,17 @@ api = NinjaAPI(
 
 
 def errors(*statuses: int) -> dict[int, type[ErrorOut]]:
-    """The error answers an operation can give, for its OpenAPI description."""
-    return dict.fromkeys((401, 429, *statuses), ErrorOut)
+    """The error answers an operation can give, for its OpenAPI description: 401 and 429
+    (the per-agent rate, bad tokens per address) for every one, and `statuses`."""
+    return dict.fromkeys(sorted({401, 429, *statuses}), ErrorOut)
+
+
+# What any operation with a JSON body may answer before its handler runs: 400 (not JSON, or
+# a Content-Length that is not a number), 411 (a chunked body on a server that cannot read
+# one), 413 (over the size limit), 422 (does not fit the schema).
+BODY_ERRORS = (400, 411, 413, 422)
+# An operation with query parameters answers 422 for a value that does not fit them.
+QUERY_ERRORS = (422,)
 
 
 @api.exception_handler(ValidationError)
@@ -213,8 +318,11 @@ def on_authentication_error(request: HttpRequest, exc: AuthenticationError) -> H
 @api.exception_handler(Throttled)
 def on_throttled(request: HttpRequest, exc: Throttled) -> HttpResponse:
     retry_after = math.ceil(exc.wait) if exc.wait else 1
+    message, details = "too many requests", {}
+    if isinstance(exc, Refused):
+        message, details = exc.message, exc.details
     response = error_response(
-        429, "rate_limited", "too many requests", {"retry_after_seconds": retry_after}
+        429, "rate_limited", message, {"retry_after_seconds": retry_after, **details}
     )
     response["Retry-After"] = str(retry_after)
     return response
@@ -375,7 +483,7 @@ def tools_list(request: HttpRequest) -> list[dict[str, Any]]:
 
 @api.post(
     "/runs",
-    response={200: RunOut, 201: RunOut, **errors(400, 403, 413, 422)},
+    response={200: RunOut, 201: RunOut, **errors(*BODY_ERRORS, 403, 409)},
     operation_id="run_create",
     summary="Create a run (201), or get the run already created with this key (200)",
 )
@@ -405,7 +513,7 @@ def run_get(request: HttpRequest, run_id: RunId) -> dict[str, Any]:
 
 @api.post(
     "/runs/{run_id}/steps",
-    response={200: StepOut, 201: StepOut, **errors(400, 403, 404, 409, 413, 422)},
+    response={200: StepOut, 201: StepOut, **errors(*BODY_ERRORS, 403, 404, 409)},
     operation_id="step_post",
     summary="Post a step (201); the same key and call again answers the existing step (200)",
     description=(
@@ -431,7 +539,7 @@ def step_post(request: HttpRequest, payload: StepIn, run_id: RunId) -> Status[di
 
 @api.post(
     "/runs/{run_id}/steps/batch",
-    response={200: StepsBatchOut, 201: StepsBatchOut, **errors(400, 403, 404, 409, 413, 422)},
+    response={200: StepsBatchOut, 201: StepsBatchOut, **errors(*BODY_ERRORS, 403, 404, 409)},
     operation_id="steps_post_batch",
     summary="Post up to 500 steps at once, all or nothing (201 when any was created)",
     description=(
@@ -471,7 +579,7 @@ def steps_post_batch(
 
 @api.get(
     "/runs/{run_id}/steps",
-    response={200: list[StepOut], **errors(404)},
+    response={200: list[StepOut], **errors(404, *QUERY_ERRORS)},
     operation_id="run_steps",
     summary="The run's steps in posting order",
     description=(
@@ -495,13 +603,15 @@ def run_steps(
 
 @api.get(
     "/steps/{step_id}",
-    response={200: StepOut, **errors(404, 422)},
+    response={200: StepOut, **errors(404, *QUERY_ERRORS)},
     operation_id="step_get",
     summary="A step; with ?wait=N, held until it changes or N seconds pass",
     description=(
         "`wait` (seconds, 0 to 30) holds the answer until the step's `version` changes, "
         "then answers the step as it is. To miss no change between two reads, pass the "
-        "`version` you last saw: the answer comes at once if the step has moved on since."
+        "`version` you last saw: the answer comes at once if the step has moved on since. "
+        "An agent holds at most API_MAX_WAITS_PER_AGENT waits at once (default 2): one "
+        "more answers 429 with Retry-After."
     ),
     by_alias=True,
 )
@@ -522,16 +632,22 @@ def step_get(
     step = _step_or_404(agent, step_id)
     seen = step.version if version is None else version
     if wait > 0 and step.version == seen:
-        wait_for_new_version(step.pk, seen, wait)
+        with long_poll_slot(agent, wait):
+            wait_for_new_version(step.pk, seen, wait)
         step = _step_or_404(agent, step_id)
     return step_out(step)
 
 
 @api.post(
     "/runs/{run_id}/cancel",
-    response={200: RunOut, **errors(400, 404, 413, 422)},
+    response={200: RunOut, **errors(*BODY_ERRORS, 403, 404, 409)},
     operation_id="run_cancel",
     summary="Cancel the run: steps not yet submitted are cancelled; in-flight ones finish",
+    description=(
+        "Needs submit_steps on the workspace (403 otherwise); any run of the workspace may "
+        "be cancelled. Cancelling a cancelled run again answers it as it is; a closed run "
+        "is a 409."
+    ),
 )
 def run_cancel(
     request: HttpRequest, run_id: RunId, payload: CancelIn | None = None
@@ -539,13 +655,13 @@ def run_cancel(
     agent = _agent(request)
     run = _run_or_404(agent, run_id)
     reason = (payload.reason if payload else None) or ""
-    run = services.run_cancel(run=run, actor=services.agent_actor(agent), reason=reason)
+    run = services.run_cancel(run=run, actor=agent, reason=reason)
     return run_out(run)
 
 
 @api.get(
     "/runs/{run_id}/report",
-    response={200: ReportOut, **errors(404)},
+    response={200: ReportOut, **errors(404, *QUERY_ERRORS)},
     operation_id="run_report",
     summary="What the run did: completed (with evidence), uncertain, failed, compensated",
 )

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import time
 from collections.abc import Callable
 
 from django.conf import settings
+from django.core.handlers.wsgi import WSGIRequest
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
 
 from executor import logcontext
@@ -25,6 +27,7 @@ ERROR_CODES = {
     404: "not_found",
     405: "method_not_allowed",
     409: "conflict",
+    411: "length_required",
     413: "body_too_large",
     415: "unsupported_media_type",
     422: "invalid_body",
@@ -45,9 +48,10 @@ def error_response(status: int, code: str, message: str, details: object = None)
 class ApiEdgeMiddleware:
     """The edges of the API that the API's own handlers never see.
 
-    Answers 413 for an API request body over API_MAX_BODY_BYTES, before anything reads it:
-    Django's own limit raises a 400 (RequestDataTooBig) deep inside body parsing, and agents
-    need the 413 that API.md promises. Also puts the error answers Django and ninja make
+    Answers 413 for an API request body over API_MAX_BODY_BYTES (API_MAX_BATCH_BODY_BYTES
+    for batches), before anything reads it, or, for a chunked body, once it is read that
+    far: Django's own limit raises a 400 (RequestDataTooBig) deep inside body parsing, and
+    agents need the 413 that API.md promises. Also puts the error answers Django and ninja make
     themselves (an unknown URL's 404, ninja's plain-text 405, a crash's 500) in the API's
     error shape, so an agent parses every error the same way.
     """
@@ -80,7 +84,9 @@ def refuse_large_body(request: HttpRequest) -> HttpResponse | None:
         if request.path.endswith(BATCH_SUFFIX)
         else settings.API_MAX_BODY_BYTES
     )
-    declared = request.META.get("CONTENT_LENGTH") or "0"
+    declared = request.META.get("CONTENT_LENGTH") or ""
+    if not declared:
+        return read_unsized_body(request, limit)
     try:
         length = int(declared)
     except ValueError:
@@ -89,12 +95,34 @@ def refuse_large_body(request: HttpRequest) -> HttpResponse | None:
         return error_response(400, "bad_request", "Content-Length is not a number of bytes")
     if length > limit:
         return too_large(limit)
-    if length == 0:
-        # A chunked body declares no length: read at most one byte past the limit.
+    return None
+
+
+def read_unsized_body(request: HttpRequest, limit: int) -> HttpResponse | None:
+    """Reads a body sent without Content-Length (chunked) up to `limit`: 413 past it.
+
+    Django reads a WSGI body only as far as CONTENT_LENGTH says, so a chunked one would
+    look empty. A server that de-chunks says so with `wsgi.input_terminated` (gunicorn
+    does): its input is read here to its end, one byte past the limit at most. One that
+    does not (runserver) answers 411 rather than act on an empty body. Under ASGI the
+    handler has already read the whole body into the request's stream.
+    """
+    if isinstance(request, WSGIRequest):
+        if "chunked" not in request.headers.get("Transfer-Encoding", "").lower():
+            return None  # HTTP/1.1: neither a length nor chunks is no body.
+        if not request.META.get("wsgi.input_terminated"):
+            return error_response(
+                411,
+                "length_required",
+                "this server cannot read a chunked body: send Content-Length",
+            )
+        body = request.META["wsgi.input"].read(limit + 1)
+    else:
         body = request.read(limit + 1)
-        if len(body) > limit:
-            return too_large(limit)
-        request._body = body
+    if len(body) > limit:
+        return too_large(limit)
+    request._body = body
+    request._stream = io.BytesIO(body)
     return None
 
 

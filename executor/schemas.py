@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from decimal import Decimal
 from typing import Annotated, Any, Literal, get_args
 from uuid import UUID
 
 from ninja import Field, Schema
-from pydantic import AfterValidator, ConfigDict, StrictInt
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, StrictInt, WithJsonSchema
 
 from executor.models import RunStatus
 from executor.states import State
@@ -71,7 +72,48 @@ def _check_json(value: Any, depth: int) -> None:
             _check_json(item, depth + 1)
 
 
-Text = Annotated[str, AfterValidator(storable_text)]
+# What the schema says of every text field; the validator also refuses lone surrogates,
+# which no JSON Schema pattern can name.
+NO_NUL = "^[^\\u0000]*$"
+Text = Annotated[str, AfterValidator(storable_text), Field(json_schema_extra={"pattern": NO_NUL})]
+
+# A cost as DecimalField(14, 4) holds it: up to 10 digits before the point, 4 after.
+DECIMAL_TEXT = r"^[0-9]{1,10}(\.[0-9]{1,4})?$"
+
+
+MAX_COST_NUMBER = 9_999_999_999.9999
+
+
+def decimal_text(value: Any) -> Any:
+    # A string must be a plain decimal: no exponent, sign, spaces or "NaN".
+    if isinstance(value, str) and not re.fullmatch(DECIMAL_TEXT, value):
+        raise ValueError('must be a decimal string like "12.5" (at most 4 decimal places)')
+    return value
+
+
+Cost = Annotated[
+    Decimal,
+    BeforeValidator(decimal_text),
+    Field(ge=0, max_digits=14, decimal_places=4),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string", "pattern": DECIMAL_TEXT, "examples": ["12.5"]},
+                # Still taken, for the clients that send one, when it has at most 4 decimal
+                # places: no JSON Schema keyword says that of a binary float (multipleOf
+                # 0.0001 refuses 0.3), so the schema cannot promise it.
+                {
+                    "type": "number",
+                    "minimum": 0,
+                    "maximum": MAX_COST_NUMBER,
+                    "deprecated": True,
+                    "description": "Deprecated: send a decimal string. A number with more "
+                    "than 4 decimal places is refused.",
+                },
+            ]
+        }
+    ),
+]
 StepKey = Annotated[Text, Field(min_length=1, max_length=200)]
 
 
@@ -88,12 +130,10 @@ class BudgetIn(RequestSchema):
     max_calls: StrictInt | None = Field(
         None, ge=1, le=MAX_INT, description="Most tool calls (submissions) the run may make."
     )
-    max_cost: Decimal | None = Field(
+    max_cost: Cost | None = Field(
         None,
-        ge=0,
-        max_digits=14,
-        decimal_places=4,
-        description="Most cost units the run may use (up to 4 decimal places).",
+        description='Most cost units the run may use: a decimal string such as "12.5", up to '
+        "10 digits before the point and 4 after.",
     )
     deadline_seconds: float | None = Field(
         None,
@@ -138,6 +178,8 @@ class StepIn(RequestSchema):
 class StepsBatchIn(RequestSchema):
     steps: list[StepIn] = Field(
         min_length=1,
+        # Said, not checked here: more than 500 is a 413 (the handler's), not a 422.
+        json_schema_extra={"maxItems": 500},
         description="1 to 500 steps, posted all or nothing; `depends_on` may name earlier "
         "items. More than 500 answers 413.",
     )

@@ -359,8 +359,24 @@ def _same_run_or_conflict(existing: Run, request_hash: str) -> Run:
     return existing
 
 
-def run_cancel(*, run: Run, actor: str, reason: str = "") -> Run:
-    """Cancels the run: nothing more starts; steps already submitted finish their attempt."""
+def run_cancel(*, run: Run, actor: Agent | str, reason: str = "") -> Run:
+    """Cancels the run: nothing more starts; steps already submitted finish their attempt.
+
+    An agent needs submit_steps on the run's workspace (NotPermitted otherwise), as it does
+    to post: with it, it may cancel any run of its workspace, as it may post to any (the
+    workspace is the unit of permission). A string actor (an operator's command, a drill,
+    a caller that has checked a person's permission itself) is taken as is.
+    """
+    if isinstance(actor, Agent):
+        agent = actor
+        if not (
+            agent.is_active
+            and agent.user.is_active
+            and agent.workspace_id == run.workspace_id
+            and agent.user.has_perm("executor.submit_steps", agent.workspace)
+        ):
+            raise NotPermitted("this agent may not cancel runs in its workspace")
+        actor = agent_actor(agent)
     with transaction.atomic():
         locked = Run.objects.select_for_update().get(pk=run.pk)
         if locked.status == RunStatus.CLOSED:
@@ -575,6 +591,11 @@ def _check_new_step(
         agent.user_id, "use_tool", tool=request.tool
     ):
         raise NotPermitted(f"this agent may not use the tool {request.tool!r}")
+    # After the permissions: what a tool may reach is no business of an agent that may not
+    # use it.
+    refusals = tool.check_input(request.input)
+    if refusals:
+        raise Invalid(f"{request.tool} refuses this input: {refusals[0]}", {"input": refusals})
     missing = [k for k in depends_on if k not in known and k not in seen]
     if missing:
         raise Invalid(

@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 from django.contrib.auth import get_user_model
+from django.core.cache import caches
+from django.core.cache.backends.locmem import LocMemCache
 from django.db import connection
 from django.test import Client
 
@@ -114,6 +116,15 @@ def outsider(other_workspace: Workspace) -> Any:
 def run(agent: Agent) -> Any:
     run, _ = services.run_create(agent=agent, name="test run")
     return run
+
+
+@pytest.fixture(autouse=True)
+def _fresh_limits() -> None:
+    """Each test starts with no request counted: the API's limits (per agent, per address,
+    long-polls held) live in the cache, and every test's client comes from one address.
+    Only the in-process cache is cleared: a shared Redis is not this test's to flush."""
+    if isinstance(caches["default"], LocMemCache):
+        caches["default"].clear()
 
 
 @pytest.fixture(autouse=True)

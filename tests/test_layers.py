@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             r"executor\.bulk",
             r"executor\.faults",
             r"executor\.http",
+            r"executor\.limits",
             r"executor\.client",
             r"executor\.ticketdesk",
             r"executor\.dispatch",

@@ -221,6 +221,17 @@ class Tool:
     def has_lookup(cls) -> bool:
         return cls.lookup is not Tool.lookup
 
+    def check_input(self, value: dict[str, Any]) -> list[str]:
+        """What this deployment refuses in an input that fits the schema (e.g. a host not
+        allow-listed), one message per refusal naming what is refused; empty when none.
+
+        Called when a step is posted, after `validate_input`: a refusal is the agent's 422
+        and nothing is stored. It judges the input against settings only, never by asking
+        the external system. Settings may change between post and call, so `invoke` checks
+        again (a `policy_denied` ToolError).
+        """
+        return []
+
     def classify(self, error: BaseException) -> FailureClass:
         """Maps an error to a failure class. The default trusts nothing it cannot name."""
         if isinstance(error, ToolError):

@@ -1,8 +1,10 @@
-"""`http.get`: a read from an allow-listed host (EXECUTOR_HTTP_ALLOWED_HOSTS)."""
+"""`http.get`: a read from an allow-listed host (EXECUTOR_HTTP_ALLOWED_HOSTS), checked when
+the step is posted and again before the call, reading at most EXECUTOR_HTTP_MAX_RESPONSE_BYTES."""
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
+import time
+from typing import Any
 
 import httpx
 from django.conf import settings
@@ -21,7 +23,9 @@ from executor.tools.base import (
     register,
 )
 
+# The result keeps this much of the body (EXECUTOR_HTTP_MAX_RESPONSE_BYTES bounds the read).
 MAX_BODY_CHARS = 20_000
+READ_DEADLINE_SECONDS = 30
 
 
 def retry_after_seconds(response: httpx.Response) -> float | None:
@@ -48,13 +52,22 @@ class HttpGet(Tool):
         "additionalProperties": False,
     }
 
+    def check_input(self, value: dict[str, Any]) -> list[str]:
+        refused = outbound.refusal(value["url"])
+        return [f"url: {refused}"] if refused else []
+
     def invoke(self, call: Invocation) -> ToolResult:
         url = call.input["url"]
-        host = urlsplit(url).hostname or ""
-        if host not in settings.EXECUTOR_HTTP_ALLOWED_HOSTS:
-            raise ToolError(FailureClass.POLICY_DENIED, f"host {host!r} is not allow-listed")
+        refused = outbound.refusal(url)
+        if refused:
+            # Allowed when posted, perhaps, but the allow-list has changed since.
+            raise ToolError(FailureClass.POLICY_DENIED, refused)
         try:
-            response = outbound.client().get(url, timeout=10, follow_redirects=False)
+            with outbound.client().stream(
+                "GET", url, timeout=10, follow_redirects=False
+            ) as response:
+                raise_for_status(response)
+                body, truncated = read_at_most(response, settings.EXECUTOR_HTTP_MAX_RESPONSE_BYTES)
         except httpx.ConnectError as error:
             raise ToolError(FailureClass.TRANSIENT, f"connection failed: {error}") from error
         except httpx.TimeoutException as error:
@@ -62,18 +75,53 @@ class HttpGet(Tool):
             raise ToolError(FailureClass.TRANSIENT, f"timed out: {error}") from error
         except httpx.HTTPError as error:
             raise ToolError(FailureClass.UNAVAILABLE, str(error)) from error
-        status = response.status_code
-        if status == 429:
-            raise ToolError(
-                FailureClass.RATE_LIMITED, "429", retry_after=retry_after_seconds(response)
-            )
-        if status >= 500:
-            raise ToolError(FailureClass.UNAVAILABLE, f"server answered {status}")
-        if status in (401, 403):
-            raise ToolError(FailureClass.PERMISSION_DENIED, f"server answered {status}")
-        if status >= 400:
-            raise ToolError(FailureClass.INVALID_INPUT, f"server answered {status}")
+        text = decoded(body, response.charset_encoding)
         return ToolResult(
-            result={"status": status, "body": response.text[:MAX_BODY_CHARS]},
-            evidence={"status": status, "bytes": len(response.content)},
+            result={
+                "status": response.status_code,
+                "body": text[:MAX_BODY_CHARS],
+                # Whether `body` is less than the whole response.
+                "truncated": truncated or len(text) > MAX_BODY_CHARS,
+            },
+            evidence={
+                "status": response.status_code,
+                "bytes": len(body),
+                "stopped_at_limit": truncated,
+            },
         )
+
+
+def decoded(body: bytes, charset: str | None) -> str:
+    try:
+        return body.decode(charset or "utf-8", errors="replace")
+    except LookupError:
+        # A charset Python does not know.
+        return body.decode("utf-8", errors="replace")
+
+
+def raise_for_status(response: httpx.Response) -> None:
+    status = response.status_code
+    if status == 429:
+        raise ToolError(FailureClass.RATE_LIMITED, "429", retry_after=retry_after_seconds(response))
+    if status >= 500:
+        raise ToolError(FailureClass.UNAVAILABLE, f"server answered {status}")
+    if status in (401, 403):
+        raise ToolError(FailureClass.PERMISSION_DENIED, f"server answered {status}")
+    if status >= 400:
+        raise ToolError(FailureClass.INVALID_INPUT, f"server answered {status}")
+
+
+def read_at_most(response: httpx.Response, limit: int) -> tuple[bytes, bool]:
+    """The body's first `limit` bytes (decompressed), and whether there was more; stops
+    reading there, and stops with a timeout once READ_DEADLINE_SECONDS have passed (a
+    server may drip a body forever, each piece within the read timeout)."""
+    deadline = time.monotonic() + READ_DEADLINE_SECONDS
+    body = bytearray()
+    for chunk in response.iter_bytes():
+        if len(body) + len(chunk) > limit:
+            body += chunk[: limit - len(body)]
+            return bytes(body), True
+        body += chunk
+        if time.monotonic() > deadline:
+            raise httpx.ReadTimeout(f"the body took over {READ_DEADLINE_SECONDS} s")
+    return bytes(body), False

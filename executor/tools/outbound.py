@@ -1,4 +1,5 @@
-"""The HTTP client tools send their requests with: one per process, shared by its threads.
+"""The HTTP client tools send their requests with (one per process, shared by its threads),
+and the allow-list of where they may send them.
 
 Making an httpx client costs tens of milliseconds of CPU (its TLS context), so a client per
 call capped a worker at a few dozen calls a second. Connections are still never reused:
@@ -8,9 +9,13 @@ written, and make a request that never arrived look ambiguous (DESIGN.md §8).
 
 from __future__ import annotations
 
+import functools
 import threading
+from dataclasses import dataclass
 
 import httpx
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 
 _client: httpx.Client | None = None
 _lock = threading.Lock()
@@ -22,3 +27,82 @@ def client() -> httpx.Client:
         if _client is None:
             _client = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
         return _client
+
+
+# --- where tools may reach: EXECUTOR_HTTP_ALLOWED_HOSTS ---------------------------------------
+
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+@dataclass(frozen=True)
+class AllowedHost:
+    host: str
+    # None: the scheme's default port only (80 for http, 443 for https).
+    port: int | None
+
+    def admits(self, host: str, scheme: str, port: int) -> bool:
+        return host == self.host and port == (self.port or DEFAULT_PORTS[scheme])
+
+
+def _url_host(host: str) -> str:
+    """`host` as httpx sends it: lower case, IDNA-encoded, IPv6 without brackets."""
+    bracketed = f"[{host}]" if ":" in host else host
+    return httpx.URL(f"http://{bracketed}/").raw_host.decode("ascii")
+
+
+@functools.cache
+def _parse_allowed(entries: tuple[str, ...]) -> tuple[AllowedHost, ...]:
+    parsed = []
+    for entry in entries:
+        text = entry.strip()
+        if text.startswith("["):
+            host, closed, rest = text[1:].partition("]")
+            if not closed or (rest and not rest.startswith(":")):
+                host = ""
+            port_text = rest[1:]
+        elif text.count(":") == 1:
+            host, port_text = text.split(":")
+        else:
+            # A bare IPv6 address has colons of its own and no port.
+            host, port_text = text, ""
+        try:
+            port = int(port_text) if port_text else None
+            if port is not None and not 0 < port < 65536:
+                raise ValueError(port)
+            if not host:
+                raise ValueError(host)
+            parsed.append(AllowedHost(_url_host(host), port))
+        except (ValueError, UnicodeError, httpx.InvalidURL):
+            raise ImproperlyConfigured(
+                f"EXECUTOR_HTTP_ALLOWED_HOSTS: {entry!r} is not host or host:port"
+            ) from None
+    return tuple(parsed)
+
+
+def allowed_hosts() -> tuple[AllowedHost, ...]:
+    """The parsed EXECUTOR_HTTP_ALLOWED_HOSTS (ImproperlyConfigured if an entry is not
+    `host`, `host:port`, `[v6]` or `[v6]:port`)."""
+    return _parse_allowed(tuple(settings.EXECUTOR_HTTP_ALLOWED_HOSTS))
+
+
+def refusal(url: str) -> str | None:
+    """Why a tool may not send a request to `url`, or None when it may.
+
+    The URL is read by httpx's own parser, the one that will connect: `http://a@b/` is
+    host b to both. A host alone in the list admits the scheme's default port only, so
+    allowing a site's `127.0.0.1` does not open every port of the machine.
+    """
+    try:
+        parsed = httpx.URL(url)
+        host = parsed.raw_host.decode("ascii")
+    except (httpx.InvalidURL, ValueError, TypeError, UnicodeError):
+        return "the url is not a valid URL"
+    if parsed.scheme not in DEFAULT_PORTS:
+        return "the url must be http:// or https://"
+    if not host:
+        return "the url names no host"
+    port = parsed.port if parsed.port is not None else DEFAULT_PORTS[parsed.scheme]
+    if any(allowed.admits(host, parsed.scheme, port) for allowed in allowed_hosts()):
+        return None
+    shown = f"[{host}]" if ":" in host else host
+    return f"host {shown}:{port} is not in EXECUTOR_HTTP_ALLOWED_HOSTS"

@@ -244,6 +244,14 @@ def test_an_agent_without_submit_steps_may_not_create_runs(api: ApiClient, agent
         {"name": "ok", "budget": {"max_cost": -1}},
         {"name": "ok", "budget": {"max_cost": 0.00001}},
         {"name": "ok", "budget": {"max_cost": 10**12}},
+        {"name": "ok", "budget": {"max_cost": "lots"}},
+        {"name": "ok", "budget": {"max_cost": "1e3"}},
+        {"name": "ok", "budget": {"max_cost": "-1"}},
+        {"name": "ok", "budget": {"max_cost": "1.23456"}},
+        {"name": "ok", "budget": {"max_cost": "NaN"}},
+        {"name": "ok", "budget": {"max_cost": " 1"}},
+        {"name": "ok", "budget": {"max_cost": "12345678901"}},
+        {"name": "ok", "budget": {"max_cost": True}},
         {"name": "ok", "budget": {"deadline_seconds": 0}},
         {"name": "ok", "budget": {"deadline_seconds": -5}},
         {"name": "ok", "budget": {"deadline_seconds": 10**12}},
@@ -679,6 +687,42 @@ def test_cancelling_needs_no_body_and_may_be_repeated(api: ApiClient, run: Any) 
     assert again.json()["status"] == "cancelled"
 
 
+def test_cancelling_without_submit_steps_answers_403_and_cancels_nothing(
+    api: ApiClient, run: Any, agent: Agent
+) -> None:
+    posted = post_step(api, run.pk, key="queued").json()
+    remove_perm("executor.submit_steps", agent.user, agent.workspace)
+
+    response = api.post(f"{API}/runs/{run.pk}/cancel", {"reason": "not mine to stop"})
+
+    assert response.status_code == 403
+    assert error_of(response)["code"] == "forbidden"
+    assert Run.objects.get(pk=run.pk).status == "open"
+    assert Step.objects.get(pk=posted["id"]).state == State.PENDING
+
+
+def test_an_agent_with_submit_steps_may_cancel_another_agents_run_in_its_workspace(
+    api: ApiClient, agent: Agent
+) -> None:
+    # The workspace is the unit of permission: as it may post to any run there, it may stop one.
+    colleague, token = services.agent_create(workspace=agent.workspace, name="bob-bot")
+    theirs = ApiClient(AgentAuth(colleague, token)).post(f"{API}/runs", {"name": "bob's"}).json()
+
+    response = api.post(f"{API}/runs/{theirs['id']}/cancel", {"reason": "supervisor stop"})
+
+    assert response.status_code == 200
+    assert response.json()["status"] == "cancelled"
+
+
+def test_cancelling_a_closed_run_answers_409(api: ApiClient, run: Any) -> None:
+    Run.objects.filter(pk=run.pk).update(status="closed")
+
+    response = api.post(f"{API}/runs/{run.pk}/cancel")
+
+    assert response.status_code == 409
+    assert error_of(response)["code"] == "conflict"
+
+
 def test_the_report_sorts_steps_into_sections(api: ApiClient, run: Any) -> None:
     done = step_in(run, State.COMPLETED, key="done")
     step_in(run, State.UNKNOWN, key="maybe")
@@ -936,6 +980,29 @@ def test_a_body_over_64_kib_answers_413_and_stores_nothing(api: ApiClient, run: 
     assert not Step.objects.filter(run=run).exists()
 
 
+def post_chunked(api: ApiClient, path: str, body: bytes, **environ: Any) -> Any:
+    """A body sent chunked, as Django sees it: no Content-Length. (The test client cannot
+    de-chunk: tests/executor/test_web_server.py sends real chunks to gunicorn.)"""
+    return api.client.post(
+        path,
+        data=body,
+        content_type="application/json",
+        CONTENT_LENGTH="",
+        HTTP_TRANSFER_ENCODING="chunked",
+        **api.headers,
+        **environ,
+    )
+
+
+def test_a_chunked_body_where_the_server_cannot_read_it_answers_411(api: ApiClient) -> None:
+    # runserver hands Django the raw chunks and no length: better refused than read as empty.
+    response = post_chunked(api, f"{API}/runs", b'{"name": "chunked"}')
+
+    assert response.status_code == 411
+    assert error_of(response)["code"] == "length_required"
+    assert not Run.objects.exists()
+
+
 def test_too_many_requests_answer_429_with_retry_after(
     api: ApiClient, other_api: ApiClient, settings: Any
 ) -> None:
@@ -965,7 +1032,21 @@ def test_a_rate_limited_post_stores_nothing(api: ApiClient, settings: Any) -> No
     assert not Run.objects.filter(name="over the limit").exists()
 
 
+@pytest.mark.parametrize(
+    ("sent", "stored"),
+    [("12.5", "12.5"), ("0.1234", "0.1234"), ("9999999999.9999", "9999999999.9999"), ("7", "7")],
+)
+def test_budget_max_cost_is_taken_as_a_decimal_string(
+    api: ApiClient, sent: str, stored: str
+) -> None:
+    response = api.post(f"{API}/runs", {"name": "b", "budget": {"max_cost": sent}})
+
+    assert response.status_code == 201
+    assert Run.objects.get(pk=response.json()["id"]).max_cost == Decimal(stored)
+
+
 def test_budget_max_cost_keeps_its_decimal_places(api: ApiClient) -> None:
+    # A JSON number is still taken, for the clients that send one (API.md's first shape).
     body = api.post(f"{API}/runs", {"name": "b", "budget": {"max_cost": 0.1234}}).json()
 
     assert Run.objects.get(pk=body["id"]).max_cost == Decimal("0.1234")

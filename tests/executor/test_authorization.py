@@ -307,6 +307,32 @@ def test_cancelled_run_cancels_its_pending_step_without_a_call(agent: Agent, run
     assert WriteTool.calls == []
 
 
+@pytest.mark.parametrize("lost", ["submit_steps", "active"])
+def test_an_agent_may_not_cancel_without_submit_steps(
+    agent: Agent, run: Run, workspace: Workspace, lost: str
+) -> None:
+    step = post(agent, run, "test.write")
+    if lost == "submit_steps":
+        remove_perm("executor.submit_steps", agent.user, workspace)
+    else:
+        Agent.objects.filter(pk=agent.pk).update(is_active=False)
+    asking = Agent.objects.select_related("user", "workspace").get(pk=agent.pk)
+
+    with pytest.raises(services.NotPermitted):
+        services.run_cancel(run=run, actor=asking, reason="not allowed")
+
+    assert Run.objects.get(pk=run.pk).status == RunStatus.OPEN
+    assert reload(step).state == State.PENDING
+
+
+def test_an_agent_cancelling_is_recorded_as_that_agent(agent: Agent, run: Run) -> None:
+    step = post(agent, run, "test.write")
+
+    services.run_cancel(run=run, actor=agent, reason="done here")
+
+    assert history(step)[-1] == (State.PENDING, State.CANCELLED, f"agent:{agent.name}")
+
+
 def test_claim_of_a_step_whose_run_was_cancelled_meanwhile_cancels_it(
     agent: Agent, run: Run
 ) -> None:

@@ -207,8 +207,10 @@ def test_depends_on_naming_a_later_item_is_refused(api: ApiClient, run: Run) -> 
 
 
 def test_a_tool_the_agent_may_not_use_refuses_the_batch(
-    api: ApiClient, run: Run, agent: Agent
+    api: ApiClient, run: Run, agent: Agent, settings: Any
 ) -> None:
+    # The read itself would be allowed: only the permission is missing.
+    settings.EXECUTOR_HTTP_ALLOWED_HOSTS = ["127.0.0.1"]
     remove_perm("executor.use_tool", agent.user, ToolRow.objects.get(name="http.get"))
     items = [echo("a"), {"key": "b", "tool": "http.get", "input": {"url": "http://127.0.0.1/"}}]
 

@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from django.conf import settings
@@ -56,8 +57,12 @@ class Command(BaseCommand):
                 public=options["host"] not in ("127.0.0.1", "localhost", "::1")
             )
         if not options["no_desk"]:
-            # Children inherit the environment: point the tools at the desk started here.
+            # Children inherit the environment: point the tools at the desk started here,
+            # and let `http.get` read it (the demo does), and nothing else.
             os.environ.setdefault("TICKETDESK_URL", f"http://127.0.0.1:{options['desk_port']}")
+            os.environ.setdefault(
+                "EXECUTOR_HTTP_ALLOWED_HOSTS", urlsplit(os.environ["TICKETDESK_URL"]).netloc
+            )
         python = sys.executable
         manage = str(settings.BASE_DIR / "manage.py")
         celery = [python, "-m", "celery", "-A", "console"]

@@ -1,0 +1,130 @@
+"""What only a real web server shows: chunked request bodies read (up to the size limit) under
+gunicorn, and the long-poll limit held across web processes that share a Redis cache."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from executor import services, transitions
+from executor.api import long_polls_held
+from executor.drill.processes import wait_until
+from executor.models import Run, Step
+from executor.states import State
+from tests.conftest import AgentAuth
+from tests.executor.factories import new_step
+from tests.executor.webserver import WebServer, web_server
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def chunks(body: bytes, size: int = 1000) -> Iterator[bytes]:
+    """A generator body: httpx sends it chunked, with no Content-Length."""
+    for start in range(0, len(body), size):
+        yield body[start : start + size]
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[WebServer]:
+    with web_server(tmp_path, env={"API_MAX_BODY_BYTES": "4096"}) as running:
+        yield running
+
+
+def post_chunked(server: WebServer, auth: AgentAuth, path: str, body: bytes) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {auth.token}", "Content-Type": "application/json"}
+    request = httpx.Request(
+        "POST", f"{server.url}/api/v1{path}", headers=headers, content=chunks(body)
+    )
+    assert request.headers["Transfer-Encoding"] == "chunked"
+    assert "Content-Length" not in request.headers
+    with httpx.Client(timeout=30) as client:
+        return client.send(request)
+
+
+def test_a_chunked_body_is_read(server: WebServer, agent_auth: AgentAuth) -> None:
+    # Several chunks, under the limit of 4096 bytes.
+    body = b'{"name": "sent in chunks"' + b" " * 3500 + b"}"
+
+    response = post_chunked(server, agent_auth, "/runs", body)
+
+    assert response.status_code == 201, response.text
+    assert Run.objects.get(pk=response.json()["id"]).name == "sent in chunks"
+
+
+def test_a_chunked_body_over_the_limit_answers_413(
+    server: WebServer, agent_auth: AgentAuth
+) -> None:
+    response = post_chunked(server, agent_auth, "/runs", b'{"name": "big"' + b" " * 5000 + b"}")
+
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "body_too_large"
+    assert response.json()["error"]["details"] == {"limit": 4096}
+    assert not Run.objects.exists()
+
+
+def test_a_chunked_batch_has_the_batch_limit(server: WebServer, agent_auth: AgentAuth) -> None:
+    run, _ = services.run_create(agent=agent_auth.agent, name="batch")
+    items = [{"key": f"s{n}", "tool": "echo", "input": {"n": n}} for n in range(100)]
+    body = httpx.Request("POST", "/", json={"steps": items}).content
+    assert len(body) > 4096
+
+    response = post_chunked(server, agent_auth, f"/runs/{run.pk}/steps/batch", body)
+
+    assert response.status_code == 201, response.text
+    assert Step.objects.filter(run=run).count() == 100
+
+
+# --- the long-poll limit across processes ----------------------------------------------------
+
+
+def redis_url() -> str:
+    """A Redis for the cache: STEPWARD_TEST_REDIS, else the broker's when it is Redis."""
+    url = os.environ.get("STEPWARD_TEST_REDIS") or os.environ.get("CELERY_BROKER_URL", "")
+    if not url.startswith("redis://"):
+        pytest.skip("no Redis (STEPWARD_TEST_REDIS or a redis:// CELERY_BROKER_URL)")
+    return url
+
+
+def test_the_long_poll_limit_holds_across_web_processes(
+    tmp_path: Path, agent_auth: AgentAuth, run: Run, settings: Any
+) -> None:
+    # Three single-threaded processes: while two hold a wait each, the third request can only
+    # be served by the third process, which knows of the two waits through Redis alone.
+    url = redis_url()
+    # This process reads the same cache to see the waits held (the keys are the agent's own).
+    settings.CACHES = {
+        "default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": url}
+    }
+    agent = agent_auth.agent
+    watched = new_step(run, key="watched")
+    headers = {"Authorization": f"Bearer {agent_auth.token}"}
+    env = {"CACHE_URL": url, "API_MAX_WAITS_PER_AGENT": "2"}
+    with web_server(tmp_path, workers=3, threads=1, env=env) as server:
+        step_url = f"{server.url}/api/v1/steps/{watched.pk}"
+
+        def hold() -> httpx.Response:
+            return httpx.get(step_url, params={"wait": 25}, headers=headers, timeout=60)
+
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            waits = [pool.submit(hold) for _ in range(2)]
+            wait_until(lambda: long_polls_held(agent) == 2, seconds=30, what="two waits held")
+            third = httpx.get(step_url, params={"wait": 25}, headers=headers, timeout=60)
+            transitions.move(Step.objects.get(pk=watched.pk), State.CANCELLED, actor="test")
+            answers = [wait.result(timeout=60) for wait in waits]
+
+        held_after = long_polls_held(agent)
+        again = httpx.get(step_url, params={"wait": 1}, headers=headers, timeout=60)
+
+    assert third.status_code == 429, third.text
+    assert third.json()["error"]["details"]["limit"] == 2
+    assert 1 <= int(third.headers["Retry-After"]) <= 25
+    assert [answer.status_code for answer in answers] == [200, 200]
+    assert all(answer.json()["state"] == "cancelled" for answer in answers)
+    assert held_after == 0
+    assert again.status_code == 200
