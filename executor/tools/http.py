@@ -81,40 +81,6 @@ FIELDS = {
 REQUIRED = ("name", "effect", "url")
 
 
-# --- the host allow-list ------------------------------------------------------------------------
-
-
-def host_allowed(url: str, allowed: Iterable[str] | None = None) -> bool:
-    """Whether `url`'s host and port are in EXECUTOR_HTTP_ALLOWED_HOSTS: an entry `host`
-    allows that host on its scheme's default port (80, 443), `host:port` that port
-    (`[::1]:8080` for IPv6)."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        return False
-    default = 443 if parts.scheme == "https" else 80
-    try:
-        port = parts.port or default
-    except ValueError:
-        return False
-    wanted = (parts.hostname.lower(), port)
-    entries = settings.EXECUTOR_HTTP_ALLOWED_HOSTS if allowed is None else allowed
-    return any(_host_and_port(entry, default) == wanted for entry in entries)
-
-
-def _host_and_port(entry: str, default: int) -> tuple[str, int] | None:
-    entry = entry.strip().lower()
-    if entry.startswith("["):
-        host, _, rest = entry[1:].partition("]")
-        port = rest.removeprefix(":")
-    elif entry.count(":") == 1:
-        host, port = entry.split(":")
-    else:
-        host, port = entry, ""
-    if port and not port.isdigit():
-        return None
-    return host, int(port) if port else default
-
-
 # --- the spec ---------------------------------------------------------------------------------
 
 
@@ -221,11 +187,9 @@ def url_problems(url: Any) -> list[str]:
     parts = urlsplit(rendered)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return [f"{rendered!r} is not an http(s) URL"]
-    if not host_allowed(INPUT_PLACEHOLDER.sub("x", rendered)):
-        return [
-            f"host {parts.netloc} is not in EXECUTOR_HTTP_ALLOWED_HOSTS "
-            f"({', '.join(settings.EXECUTOR_HTTP_ALLOWED_HOSTS) or 'empty'})"
-        ]
+    refusal = outbound.refusal(INPUT_PLACEHOLDER.sub("x", rendered))
+    if refusal:
+        return [f"{refusal} ({', '.join(settings.EXECUTOR_HTTP_ALLOWED_HOSTS) or 'empty'})"]
     return []
 
 
@@ -344,11 +308,9 @@ class HttpTool(Tool):
             return quote(str(value), safe="")
 
         url = INPUT_PLACEHOLDER.sub(field, url)
-        if not host_allowed(url):
-            raise ToolError(
-                FailureClass.POLICY_DENIED,
-                f"host {urlsplit(url).netloc} is not in EXECUTOR_HTTP_ALLOWED_HOSTS",
-            )
+        refusal = outbound.refusal(url)
+        if refusal:
+            raise ToolError(FailureClass.POLICY_DENIED, refusal)
         headers["X-Stepward-Operation"] = call.operation_id
         headers["X-Stepward-Fence"] = str(call.fence)
         return url, headers
