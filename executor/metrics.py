@@ -103,7 +103,7 @@ class LedgerCollector(Collector):
         oldest = (
             Step.objects.due(now)
             .of_open_runs()
-            .aggregate(first=Min(Coalesce("not_before", "updated_at")))["first"]
+            .aggregate(first=Min(Coalesce("not_before", "state_since")))["first"]
         )
         age = (now - oldest).total_seconds() if oldest else 0.0
         return GaugeMetricFamily(
@@ -113,7 +113,7 @@ class LedgerCollector(Collector):
         )
 
     def step_seconds(self) -> Metric:
-        took = ExpressionWrapper(F("updated_at") - F("created_at"), output_field=DurationField())
+        took = ExpressionWrapper(F("state_since") - F("created_at"), output_field=DurationField())
         bounds = {f"le_{i}": bound for i, bound in enumerate(STEP_SECONDS_BUCKETS)}
         row = (
             Step.objects.filter(state=State.COMPLETED)

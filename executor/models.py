@@ -14,6 +14,7 @@ from typing import Any
 from django.conf import settings
 from django.db import models
 from django.db.models import Q
+from django.utils import timezone
 from guardian.models import GroupObjectPermissionBase, UserObjectPermissionBase
 
 from executor.states import LEASED, State
@@ -394,6 +395,9 @@ class Step(models.Model):
 
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
+    # When the step entered its present state: the inbox's "waiting since". A move that
+    # keeps the state (an automatic lookup that leaves it unknown) does not change it.
+    state_since = models.DateTimeField(default=timezone.now)
 
     objects = StepQuerySet.as_manager()
 
@@ -430,8 +434,8 @@ class Step(models.Model):
             ),
         ]
         indexes = [
-            # The inbox: what waits for a person, newest first.
-            models.Index(fields=["state", "updated_at"], name="step_state_updated"),
+            # The inbox: what waits for a person, longest waiting first.
+            models.Index(fields=["state", "state_since"], name="step_state_since"),
             # Due work: pending steps by not_before.
             models.Index(
                 fields=["not_before"],

@@ -250,7 +250,7 @@ class InboxFilter:
         if self.tool:
             condition &= Q(tool_id=self.tool)
         if self.older_than is not None:
-            condition &= Q(updated_at__lt=now - self.older_than)
+            condition &= Q(state_since__lt=now - self.older_than)
         return condition
 
 
@@ -283,7 +283,7 @@ def inbox_page(
 ) -> tuple[list[Step], Cursor | None]:
     """One page of waiting steps, longest waiting first, and the cursor of the next page.
 
-    Keyset on (updated_at, id), so a page costs the same wherever it is and a reviewer's
+    Keyset on (state_since, id), so a page costs the same wherever it is and a reviewer's
     place holds while new steps arrive.
     """
     now = now or timezone.now()
@@ -292,17 +292,17 @@ def inbox_page(
         steps = steps.filter(INBOX_KIND_Q[inbox.kind])
     if after is not None:
         steps = steps.filter(
-            Q(updated_at__gt=after.at) | Q(updated_at=after.at, pk__gt=uuid.UUID(after.pk))
+            Q(state_since__gt=after.at) | Q(state_since=after.at, pk__gt=uuid.UUID(after.pk))
         )
     rows = list(
         steps.select_related("run", "run__workspace")
         .defer("input", "result", "run__pause_reason")
-        .order_by("updated_at", "pk")[: size + 1]
+        .order_by("state_since", "pk")[: size + 1]
     )
     if len(rows) <= size:
         return rows, None
     last = rows[size - 1]
-    return rows[:size], Cursor(at=last.updated_at, pk=str(last.pk))
+    return rows[:size], Cursor(at=last.state_since, pk=str(last.pk))
 
 
 def paused_runs(

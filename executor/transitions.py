@@ -162,6 +162,8 @@ def move(
     source = State(step.state)
     now = now or timezone.now()
     changes = checked_changes(step, target, changes)
+    if target != source:
+        changes["state_since"] = now
     new_version = step.version + 1
     event = build_event(
         step,
@@ -272,6 +274,9 @@ def move_many(
             if still and m.fence is not None:
                 still = row is not None and row[2] == m.fence
             (fresh if still else stale).append((m, changes))
+    for m, changes in fresh:
+        if m.target != m.step.state:
+            changes["state_since"] = now
     events = {
         m.step.pk: build_event(
             m.step,
@@ -353,7 +358,7 @@ def insert_many(histories: Sequence[tuple[Step, Sequence[Posted]]], *, now: date
             source = posted.target
         step.state = State(source)
         step.version = len(history)
-        step.created_at = step.updated_at = now
+        step.created_at = step.updated_at = step.state_since = now
     by_run: dict[Any, list[Step]] = {}
     for step, _ in histories:
         by_run.setdefault(step.run_id, []).append(step)

@@ -298,7 +298,8 @@ def events_by(step: Step, actor: str) -> list[Event]:
 
 def age(step: Step, by: timedelta) -> None:
     """The step has waited `by` longer than it really has."""
-    Step.objects.filter(pk=step.pk).update(updated_at=timezone.now() - by)
+    then = timezone.now() - by
+    Step.objects.filter(pk=step.pk).update(updated_at=then, state_since=then)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ from django.contrib.auth.models import User
 from django.test import Client
 from django.urls import reverse
 
-from executor import services
+from executor import recovery, services
 from executor.models import Agent, Run, Step
 from executor.states import State
 from tests.console.conftest import (
@@ -131,6 +131,27 @@ def test_the_age_filter_keeps_what_waited_longer(bob: Client, waiting: dict[str,
     age(waiting["blocked"], timedelta(days=2))
     assert listed(inbox(bob, "?age=1h")) == ["b1", "d1"]
     assert listed(inbox(bob, "?age=1d")) == ["b1"]
+
+
+def test_waiting_since_is_when_the_step_began_to_wait_not_its_last_lookup(
+    bob: Client, agent: Agent, run: Run
+) -> None:
+    first = unknown(agent, run, key="first", tool="console.lookup")
+    second = unknown(agent, run, key="second", tool="console.lookup")
+    age(first, timedelta(hours=2))
+    age(second, timedelta(hours=1))
+    began = reload(first).state_since
+    # The executor looks the first one up again: it cannot tell, so it stays unknown.
+    assert recovery.reconcile(first.pk) == State.UNKNOWN
+    looked = reload(first)
+    assert looked.version == first.version + 1
+    assert looked.updated_at > reload(second).updated_at
+    assert looked.state_since == began
+    # Still the longest waiting, and "2 h ago" on the page.
+    response = inbox(bob)
+    assert listed(response) == ["first", "second"]
+    assert ">2 h ago</time>" in response.content.decode()
+    assert listed(inbox(bob, "?age=1h")) == ["first", "second"]
 
 
 def test_the_workspace_filter_and_a_reviewer_of_two_workspaces(
@@ -260,6 +281,20 @@ def test_dead_rows_carry_a_checkbox_with_their_version(
     assert [b["value"] for b in boxes] == pick(waiting["dead"])
     assert all(b["form"] == "bulk-replay" for b in boxes)
     assert page.form("bulk-replay-form").buttons == ["Replay selected"]
+
+
+def test_the_bulk_replay_form_shows_only_with_a_dead_letter_to_replay(
+    bob: Client, dave: Client, agent: Agent, run: Run
+) -> None:
+    planned(agent, run, key="p1")
+    assert "bulk-replay-form" not in read(inbox(bob)).testids()
+    dead(agent, run, key="d1")
+    assert "bulk-replay-form" in read(inbox(bob)).testids()
+    assert "bulk-replay-form" not in read(inbox(bob, "?state=approval")).testids()
+    # dave may not replay: no form, no checkboxes.
+    page = read(inbox(dave))
+    assert "bulk-replay-form" not in page.testids()
+    assert not [a for t, a in page.elements if t == "input" and a.get("name") == "steps"]
 
 
 def test_replaying_selected_dead_letters(bob: Client, agent: Agent, run: Run) -> None:
