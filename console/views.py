@@ -240,7 +240,8 @@ def _inbox_context(request: ReviewerRequest, params: QueryDict) -> dict[str, Any
         "is_first_page": not form.value("after"),
         "size": size,
         "bulk_form": BulkReplayForm(),
-        "show_bulk": bool(replayable) and state in ("", InboxKind.DEAD),
+        # Only with a dead letter on the page that this reviewer may replay.
+        "show_bulk": any(row["can_replay"] for row in rows),
         "nav": NavCounts(kinds=counts["all"], paused=paused_counts["all"]),
     }
 
@@ -608,12 +609,18 @@ def _budget_lines(run: Run) -> list[BudgetLine]:
 
 
 def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    if seconds < 60:
-        return f"{seconds} s"
-    if seconds < 3600:
-        return f"{seconds // 60} min {seconds % 60} s"
-    return f"{seconds // 3600} h {seconds % 3600 // 60} min"
+    """A length of time as a person says it: to the second under a minute, then to the
+    nearest minute (an hour's deadline is "1 h", not "59 min 59 s")."""
+    if seconds < 59.5:
+        return f"{max(0, int(seconds + 0.5))} s"
+    minutes = int(seconds / 60 + 0.5)
+    if minutes < 60:
+        return f"{minutes} min"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours} h {minutes} min" if minutes else f"{hours} h"
+    days, hours = divmod(hours, 24)
+    return f"{days} d {hours} h" if hours else f"{days} d"
 
 
 def _run_context(
@@ -660,6 +667,10 @@ def run_page(request: ReviewerRequest, pk: Any) -> HttpResponse:
 @reviewer_required
 def run_live(request: ReviewerRequest, pk: Any) -> HttpResponse:
     run = _get_run_for_user(request, pk)
+    seen = request.GET.get("seen")
+    if request.htmx and seen and seen != run.status:
+        # Paused, resumed or closed since the page was drawn: its header and forms changed.
+        return HttpResponseClientRefresh()
     return _render(request, "console/run.html#run-live", _run_context(request, run))
 
 
@@ -725,11 +736,59 @@ def drills(request: ReviewerRequest) -> HttpResponse:
 @reviewer_required
 def drill_page(request: ReviewerRequest, pk: int) -> HttpResponse:
     report = get_object_or_404(DrillReport, pk=pk)
+    points = report.interruption_points
+    worker = _mapping(points.get("worker"))
+    desk = _mapping(points.get("desk"))
+    kills, freezes = _mapping(points.get("kills")), _mapping(points.get("freezes"))
     context = {
         "report": report,
         "counts": sorted(report.counts.items()),
-        "points": sorted(report.interruption_points.items()),
-        "parameters": sorted(report.parameters.items()),
+        # Each fault point: how often it was set to fire and how often it did.
+        "worker_points": [
+            (name, _mapping(row).get("rate", 0), _mapping(row).get("hits", 0))
+            for name, row in sorted(worker.items())
+        ]
+        # Reports of the first version kept only each point's rate, at the top level.
+        or [(name, rate, "—") for name, rate in sorted(points.items()) if _is_number(rate)],
+        "desk_faults": [
+            (name, row.get("rate", 0), row.get("injected", "—"))
+            for name, row in sorted(desk.items())
+            if isinstance(row, dict)
+        ],
+        "disturbances": [
+            ("Workers killed (SIGKILL)", kills.get("done", 0), _every(kills)),
+            ("Workers frozen past their lease", freezes.get("done", 0), _every(freezes)),
+            ("Worker crashes at fault points", points.get("worker_crashes", 0), ""),
+            ("Stale fences refused by the desk", desk.get("stale_fence_refused", 0), ""),
+            ("Stale fences refused by the ledger", points.get("fenced_out_attempts", 0), ""),
+        ],
+        "latency_ms": points.get("desk_latency_ms")
+        if _is_number(points.get("desk_latency_ms"))
+        else 0,
+        "parameters": [(name, _plain(value)) for name, value in sorted(report.parameters.items())],
         "notes": [line for line in report.notes.splitlines() if line.strip()],
     }
     return _render(request, "console/drill.html", context)
+
+
+def _mapping(value: Any) -> dict[str, Any]:
+    """A report's JSON object, or an empty one where an older report wrote something else."""
+    return value if isinstance(value, dict) else {}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _every(schedule: dict[str, Any]) -> str:
+    every = schedule.get("every_seconds")
+    return f"every {every:g} s" if _is_number(every) and every else "not scheduled"
+
+
+def _plain(value: Any) -> str:
+    """A parameter as a person reads it: a list as "a, b", a mapping as "k=v, …"."""
+    if isinstance(value, list | tuple):
+        return ", ".join(str(item) for item in value) or "none"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={v}" for k, v in sorted(value.items())) or "none"
+    return str(value)

@@ -56,6 +56,48 @@ def test_a_drill_page_shows_its_counts_points_and_notes(bob: Client) -> None:
     assert "drill-00021 has 4 tickets [14, 20]" in page.text
 
 
+# The shape `manage.py drill` writes (executor/drill/runner.py: interruption_points).
+POINTS = {
+    "worker": {
+        "before_invoke": {"rate": 0.05, "hits": 4},
+        "after_submit": {"rate": 0.05, "hits": 6},
+    },
+    "desk": {
+        "503": {"rate": 0.1, "injected": 31},
+        "drop": {"rate": 0.05, "injected": 12},
+        "stale_fence_refused": 2,
+    },
+    "desk_latency_ms": 20.0,
+    "kills": {"every_seconds": 7.0, "done": 9},
+    "freezes": {"every_seconds": 11.0, "seconds": 40.0, "done": 3},
+    "worker_crashes": 10,
+    "fenced_out_attempts": 5,
+}
+
+
+def test_a_drill_page_shows_its_disturbances_as_tables(bob: Client) -> None:
+    report = drill(
+        interruption_points=POINTS,
+        parameters={"steps": 320, "tools": ["echo", "ticketdesk.create"], "seed": 7},
+    )
+    response = bob.get(reverse("drill", args=[report.pk]))
+    page = read(response)
+    body = response.content.decode()
+    assert {"drill-disturbances", "drill-worker-points", "drill-desk-faults"} <= page.testids()
+    assert "Workers killed (SIGKILL) 9 every 7 s" in page.text
+    assert "Workers frozen past their lease 3 every 11 s" in page.text
+    assert "Stale fences refused by the desk 2" in page.text
+    assert "Stale fences refused by the ledger 5" in page.text
+    assert "after_submit 0.05 6" in page.text
+    assert "503 0.1 31" in page.text
+    assert "tools echo, ticketdesk.create" in page.text
+    assert "20 ms of added latency" in page.text
+    # No Python structure leaks into the page.
+    assert "{" not in page.text
+    assert "[" not in page.text
+    assert "&#x27;" not in body
+
+
 def test_no_drill_yet_is_a_clear_empty_state(bob: Client) -> None:
     page = read(bob.get(reverse("drills")))
     assert "drills-empty" in page.testids()

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
+from django.template.loader import render_to_string
 from django.test import Client
 from django.urls import reverse
 
@@ -142,3 +143,31 @@ def test_a_deactivated_reviewer_is_signed_out(reviewer: User, step: Any) -> None
 
 def test_an_unknown_step_id_is_404(bob: Client) -> None:
     assert bob.get("/steps/00000000-0000-0000-0000-000000000000/").status_code == 404
+
+
+def test_the_404_page_is_the_consoles_with_a_way_back(
+    bob: Client, charlie: Client, step: Any
+) -> None:
+    for client in (bob, charlie):
+        url = reverse("step", args=[step.pk]) if client is charlie else "/steps/nothing-here/"
+        page = read(client.get(url))
+        assert "not-found" in page.testids()
+        assert "or it belongs to a workspace you do not review" in page.text
+        links = {a["href"] for tag, a in page.elements if tag == "a" and "href" in a}
+        assert {reverse("inbox"), reverse("runs")} <= links
+        # Nothing of the step leaks into the page that hides it.
+        assert step.key not in page.text
+
+
+def test_the_404_page_offers_sign_in_to_a_visitor(client: Client) -> None:
+    response = client.get("/no/such/page/")
+    assert response.status_code == 404
+    page = read(response)
+    assert "not-found" in page.testids()
+    assert reverse("login") in {a["href"] for tag, a in page.elements if tag == "a" and "href" in a}
+
+
+def test_the_500_page_renders_without_a_request() -> None:
+    html = render_to_string("500.html")
+    assert "Something went wrong on our side" in html
+    assert "csrf" not in html.lower()

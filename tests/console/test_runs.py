@@ -10,6 +10,7 @@ import pytest
 from django.test import Client
 from django.urls import reverse
 
+from console import views
 from executor import services
 from executor.models import Agent, Run, RunEvent, RunStatus
 from tests.console.conftest import (
@@ -112,6 +113,55 @@ def test_the_live_region_polls_while_the_run_is_open(bob: Client, run: Run) -> N
     assert (
         'hx-trigger="every 5s"' not in bob.get(reverse("run_live", args=[run.pk])).content.decode()
     )
+
+
+def test_the_live_region_carries_the_steps_table(bob: Client, agent: Agent, run: Run) -> None:
+    step = planned(agent, run, key="waits")
+    live = read(bob.get(reverse("run_live", args=[run.pk]), **htmx(target="run-live")))
+    assert "run-steps" in live.testids()
+    assert "waits" in live.text
+    assert "planned" in live.text
+    # The table follows the ledger at the next poll, as the report above it does.
+    services.step_approve(
+        step=step,
+        user=services.reviewer_create(workspace=run.workspace, username="erin"),
+        version=step.version,
+        reason="fine",
+    )
+    again = read(bob.get(reverse("run_live", args=[run.pk]), **htmx(target="run-live")))
+    assert "pending" in again.text
+    assert "planned" not in again.text
+
+
+def test_a_poll_after_the_run_changed_status_redraws_the_page(bob: Client, run: Run) -> None:
+    url = reverse("run_live", args=[run.pk]) + "?seen=open"
+    assert "HX-Refresh" not in bob.get(url, **htmx(target="run-live")).headers
+    services.run_cancel(run=run, actor="agent:x")
+    response = bob.get(url, **htmx(target="run-live"))
+    assert response.headers["HX-Refresh"] == "true"
+
+
+@pytest.mark.parametrize(
+    ("seconds", "shown"),
+    [
+        (0, "0 s"),
+        (42.4, "42 s"),
+        (59.6, "1 min"),
+        (90, "2 min"),
+        (3599.99, "1 h"),
+        (3600, "1 h"),
+        (5400, "1 h 30 min"),
+        (86400, "1 d"),
+        (2 * 86400 + 3 * 3600 + 20, "2 d 3 h"),
+    ],
+)
+def test_durations_read_as_a_person_says_them(seconds: float, shown: str) -> None:
+    assert views._duration(seconds) == shown
+
+
+def test_an_hours_deadline_reads_one_hour(bob: Client, agent: Agent) -> None:
+    run, _ = services.run_create(agent=agent, name="hour", deadline_seconds=3600)
+    assert "of 1 h" in read(run_page(bob, run)).text
 
 
 def test_htmx_gets_only_the_run_region(bob: Client, run: Run) -> None:
