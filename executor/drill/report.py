@@ -9,7 +9,9 @@ import subprocess
 import time
 import tomllib
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from django.conf import settings
 
@@ -133,3 +135,44 @@ def report_notes(verdict: Verdict, notes: list[str]) -> str:
         lines.extend(f"- {waiting}" for waiting in verdict.waiting)
     lines.extend(notes)
     return "\n".join(lines)
+
+
+# --- a report recorded in another database (`drill --report-to`) -------------------------
+
+RECORDED_FIELDS = (
+    "version",
+    "parameters",
+    "interruption_points",
+    "counts",
+    "duplicates",
+    "lost",
+    "left_for_review",
+    "elapsed_seconds",
+    "passed",
+    "notes",
+)
+
+
+def as_record(report: DrillReport) -> dict[str, Any]:
+    """The report as JSON, for `manage.py record_drill` in the database it goes to."""
+    data = {name: getattr(report, name) for name in RECORDED_FIELDS}
+    data["started_at"] = report.started_at.isoformat()
+    data["finished_at"] = report.finished_at.isoformat() if report.finished_at else None
+    data["drilled_as"] = report.pk
+    return data
+
+
+def record(data: dict[str, Any]) -> DrillReport:
+    """A copy of a drill's report in this process's database. The drill's own number and
+    database go into its parameters, so the copy says where the drill's ledger is."""
+    missing = [name for name in (*RECORDED_FIELDS, "started_at") if name not in data]
+    if missing:
+        raise ValueError(f"not a drill report: {', '.join(missing)} missing")
+    fields = {name: data[name] for name in RECORDED_FIELDS}
+    fields["parameters"] = {**fields["parameters"], "drilled_as": data.get("drilled_as")}
+    finished = data.get("finished_at")
+    return DrillReport.objects.create(
+        **fields,
+        started_at=datetime.fromisoformat(data["started_at"]),
+        finished_at=datetime.fromisoformat(finished) if finished else None,
+    )

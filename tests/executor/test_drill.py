@@ -3,18 +3,26 @@ drill passes on the real engine and fails, naming what broke, on a broken one.""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
+import sqlite3
+import subprocess
+import sys
 from io import StringIO
+from pathlib import Path
 from typing import Any
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 from django.core.management.base import CommandError
+from django.utils import timezone
 
 from executor import faults
 from executor.drill import broken
+from executor.drill.report import as_record
 from executor.models import DrillReport, Step
 
 SEED = 20261130
@@ -121,6 +129,76 @@ def test_drill_whose_steps_never_settle_reports_them_lost_and_fails() -> None:
     assert "not quiet after --timeout 3s" in report.notes
     assert report.notes.count("§13.1 lost") == 6
     forget_logs(report)
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_drill_reports_into_the_consoles_database_too(tmp_path: Path) -> None:
+    console = f"sqlite:///{tmp_path / 'console.sqlite3'}"
+    subprocess.run(
+        [sys.executable, "manage.py", "migrate", "--verbosity", "0"],
+        env={**os.environ, "DATABASE_URL": console},
+        check=True,
+    )
+    report, output, _ = failed_drill(
+        steps=2,
+        workers=1,
+        rates="before_invoke:1",
+        desk_faults="",
+        kill_every=0,
+        freeze_every=0,
+        compensate=0,
+        timeout=2,
+        report_to=console,
+    )
+    forget_logs(report)
+
+    assert re.search(r"recorded as drill 1 in sqlite:///", output), output
+    with sqlite3.connect(tmp_path / "console.sqlite3") as db:
+        rows = db.execute(
+            "SELECT passed, lost, parameters, notes FROM executor_drillreport"
+        ).fetchall()
+    assert len(rows) == 1
+    passed, lost, parameters, notes = rows[0]
+    assert (passed, lost) == (0, 2)
+    assert json.loads(parameters)["drilled_as"] == report.pk
+    assert notes == report.notes
+
+
+@pytest.mark.django_db
+def test_record_drill_records_a_report_given_on_stdin(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = DrillReport.objects.create(
+        version="0.9.0",
+        started_at=timezone.now(),
+        finished_at=timezone.now(),
+        parameters={"steps": 3},
+        counts={"completed": 3},
+        elapsed_seconds=4.5,
+        passed=True,
+    )
+    data = as_record(original)
+    monkeypatch.setattr("sys.stdin", StringIO(json.dumps(data)))
+    out = StringIO()
+    call_command("record_drill", stdout=out)
+    copy = DrillReport.objects.exclude(pk=original.pk).get()
+    assert out.getvalue().strip() == f"recorded as drill {copy.pk}"
+    assert (copy.version, copy.passed, copy.counts) == ("0.9.0", True, {"completed": 3})
+    assert copy.started_at == original.started_at
+    assert copy.parameters == {"steps": 3, "drilled_as": original.pk}
+
+
+@pytest.mark.parametrize(
+    ("stdin", "message"),
+    [("not json", "not JSON"), ("[1]", "not a JSON object"), ('{"version": "1"}', "missing")],
+)
+@pytest.mark.django_db
+def test_record_drill_refuses_what_is_not_a_report(
+    stdin: str, message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("sys.stdin", StringIO(stdin))
+    with pytest.raises(CommandError, match=message):
+        call_command("record_drill", stdout=StringIO())
+    assert not DrillReport.objects.exists()
 
 
 @pytest.mark.django_db

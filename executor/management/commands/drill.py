@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import subprocess
@@ -24,8 +25,10 @@ from executor.drill import (
     redact_url,
     same_database,
 )
-from executor.drill.report import summary_lines
+from executor.drill.config import current_database_url
+from executor.drill.report import as_record, summary_lines
 from executor.drill.runner import Drill
+from executor.models import DrillReport
 
 
 class Command(BaseCommand):
@@ -91,6 +94,13 @@ class Command(BaseCommand):
             metavar="SECONDS",
             help="how long to wait for every step to settle (900)",
         )
+        parser.add_argument(
+            "--report-to",
+            default="",
+            metavar="URL",
+            help="also record the report in this database, e.g. the console's (default with "
+            "--database: this settings' own database, so the console's Drills page shows it)",
+        )
         # Test-only: a deliberately broken engine, to show that the drill can fail.
         parser.add_argument("--break", dest="break_engine", choices=BREAKS, help=argparse.SUPPRESS)
 
@@ -125,6 +135,8 @@ class Command(BaseCommand):
             raise CommandError(str(error)) from error
         for line in summary_lines(report):
             self.stdout.write(line)
+        if options["report_to"] and not same_database(options["report_to"]):
+            self.record_elsewhere(report, options["report_to"])
         if not report.passed:
             raise CommandError(
                 f"drill {report.pk} FAILED: {report.duplicates} duplicates, {report.lost} lost; "
@@ -152,6 +164,8 @@ class Command(BaseCommand):
             argv.append(f"--broker={options['broker']}")
         if options["break_engine"]:
             argv.append(f"--break={options['break_engine']}")
+        # Beside the console, its Drills page shows the drill: the report is copied here.
+        argv.append(f"--report-to={options['report_to'] or current_database_url()}")
         child = subprocess.Popen(  # noqa: S603 - our own interpreter and command
             argv,
             cwd=settings.BASE_DIR,
@@ -165,3 +179,21 @@ class Command(BaseCommand):
             self.stdout.write(line, ending="")
         if child.wait() != 0:
             raise CommandError(f"the drill on {redact_url(options['database'])} failed")
+
+    def record_elsewhere(self, report: DrillReport, url: str) -> None:
+        """Copies the report into the database at `url` (`manage.py record_drill` there)."""
+        result = subprocess.run(  # noqa: S603 - our own interpreter and command
+            [sys.executable, str(Path(settings.BASE_DIR) / "manage.py"), "record_drill"],
+            cwd=settings.BASE_DIR,
+            env={**os.environ, "DATABASE_URL": url},
+            input=json.dumps(as_record(report)),
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise CommandError(
+                f"the drill ran, but its report could not be recorded in {redact_url(url)}: "
+                + (result.stderr.strip().splitlines() or ["no reason given"])[-1]
+            )
+        self.stdout.write(f"{result.stdout.strip()} in {redact_url(url)}")
