@@ -246,6 +246,10 @@ class Child:
         return f"--- {self.name} ({state}) log tail ---\n{tail(self.log(), lines)}"
 
 
+# What a Celery worker logs once it consumes.
+READY = r"@\S+ ready\."
+
+
 class Worker(Child):
     """`celery -A console worker --pool solo`: one process, so a kill ends the whole worker."""
 
@@ -284,7 +288,12 @@ class Worker(Child):
         super().__init__(name, argv, env, log_path)
 
     def wait_ready(self, seconds: float = STARTUP_SECONDS) -> None:
-        self.wait_for_log(r"@\S+ ready\.", what=f"{self.name} to be ready", seconds=seconds)
+        self.wait_for_log(READY, what=f"{self.name} to be ready", seconds=seconds)
+
+    @property
+    def ready(self) -> bool:
+        """Its current generation is up and consuming (it said so in its log)."""
+        return self.alive and re.search(READY, self.current_log()) is not None
 
     @property
     def worker_name(self) -> str:

@@ -127,6 +127,7 @@ class Drill:
         self.run_record: Run | None = None
         self.agent: Agent | None = None
         self.reviewer: Any = None
+        self.approver: Any = None
         self.started = 0.0
 
     # --- the whole drill ----------------------------------------------------------------
@@ -299,6 +300,8 @@ class Drill:
             workspace=workspace, name=f"drill-{report.pk}-{secrets.token_hex(3)}"
         )
         self.reviewer = services.reviewer_create(workspace=workspace, username="drill-reviewer")
+        # Four eyes: who asks for a compensation may not approve it (services.step_approve).
+        self.approver = services.reviewer_create(workspace=workspace, username="drill-approver")
         self.run_record, _ = services.run_create(
             agent=agent, name=f"recovery drill {report.pk}", key=f"drill-{report.pk}"
         )
@@ -451,8 +454,10 @@ class Drill:
                     )
             child.start()
         if now >= self.next_kill:
-            # A frozen worker is left to wake up: that is what its freeze is for.
-            alive = [w for w in self.workers if w.alive and w.frozen_until is None]
+            # A frozen worker is left to wake up: that is what its freeze is for. One still
+            # starting is left to start: on a loaded machine a worker's start can take
+            # longer than `kill_every`, and killing it then would test nothing, forever.
+            alive = [w for w in self.workers if w.ready and w.frozen_until is None]
             if alive:
                 self.rng.choice(alive).kill()
                 self.kills += 1
@@ -499,8 +504,9 @@ class Drill:
         )
 
     def request_compensations(self, snapshot: Snapshot) -> int:
-        """A drill reviewer undoes the chosen desk steps that completed: requested and
-        approved, so that `ticketdesk.close` runs through the same machinery."""
+        """A drill reviewer undoes the chosen desk steps that completed: requested by one
+        reviewer and approved by another, so that `ticketdesk.close` runs through the same
+        machinery."""
         assert self.publisher is not None
         due = (self.to_compensate & snapshot.completed_ids) - self.compensation_requested
         for step in Step.objects.filter(pk__in=due):
@@ -514,12 +520,14 @@ class Drill:
                     )
                     services.step_approve(
                         step=compensation,
-                        user=self.reviewer,
+                        user=self.approver,
                         version=compensation.version,
                         reason="recovery drill: approved compensation",
                     )
-            except services.ServiceError:
+            except services.Conflict:
                 continue  # it moved meanwhile; looked at again next time
+            # Any other refusal (permission, input) is the drill's own mistake: it aborts
+            # the drill, named in its notes, rather than leaving a step that never settles.
             self.compensation_requested.add(step.pk)
             compensation.refresh_from_db(fields=["state"])
             if compensation.state == State.PENDING:
