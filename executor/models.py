@@ -308,10 +308,20 @@ class RunQuerySet(models.QuerySet["Run"]):
 
 
 class RunStatus(models.TextChoices):
+    """What `executor/runs.py` moves a run between (its table says which action does)."""
+
     OPEN = "open"
     PAUSED = "paused"
-    CLOSED = "closed"
     CANCELLED = "cancelled"
+
+
+class RunAction(models.TextChoices):
+    """What a RunEvent records; one function each in `executor/runs.py`."""
+
+    PAUSED = "paused"
+    RESUMED = "resumed"
+    CANCELLED = "cancelled"
+    BUDGET_EXTENDED = "budget_extended"
 
 
 class Run(models.Model):
@@ -699,7 +709,7 @@ class RunEvent(models.Model):
     """Append-only record of what happened to a run: paused, resumed, budget extended, cancelled."""
 
     run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="run_events")
-    action = models.CharField(max_length=40)
+    action = models.CharField(max_length=40, choices=RunAction.choices)
     actor = models.CharField(max_length=200)
     reason = models.TextField(blank=True)
     data = models.JSONField(default=dict, blank=True)

@@ -16,10 +16,10 @@ from django.db import connection
 from django.db.models import F, Q
 from django.utils import timezone
 
+from executor import runs
 from executor.models import (
     Approval,
     Run,
-    RunEvent,
     RunStatus,
     Step,
     Tool,
@@ -315,15 +315,20 @@ def budget_take_call(run: Run, *, now: datetime) -> bool:
     return budget_take_calls(run, 1, now=now) == 1
 
 
-def budget_exhaustion(run: Run, *, now: datetime, fresh: bool = True) -> str:
-    """Why the run has no budget left ("" if it has); read anew from the ledger if `fresh`."""
-    fresh_run = Run.objects.get(pk=run.pk) if fresh else run
-    return _exhaustion(fresh_run, now=now)
+def budget_exhaustion(run: Run, *, now: datetime) -> str:
+    """Why the run has no budget left ("" if it has), read anew from the ledger."""
+    return _exhaustion(Run.objects.get(pk=run.pk), now=now)
 
 
 def _exhaustion(fresh: Run, *, now: datetime) -> str:
     if fresh.status != RunStatus.OPEN:
         return fresh.pause_reason or f"the run is {fresh.status}"
+    return budget_shortfall(fresh, now=now)
+
+
+def budget_shortfall(fresh: Run, *, now: datetime) -> str:
+    """Which of the run's budgets (deadline, calls, cost) leaves no room ("" if none),
+    whatever its status: whether a paused run could resume."""
     if fresh.deadline is not None and fresh.deadline <= now:
         return "the run's deadline passed"
     if fresh.max_calls is not None and fresh.used_calls >= fresh.max_calls:
@@ -335,15 +340,4 @@ def _exhaustion(fresh: Run, *, now: datetime) -> str:
 
 def run_pause(run: Run, *, reason: str, now: datetime, actor: str = "policy") -> bool:
     """Pauses an open run with its reason; False if it was not open."""
-    paused = (
-        Run.objects.filter(pk=run.pk, status=RunStatus.OPEN).update(
-            status=RunStatus.PAUSED,
-            pause_reason=reason[:500],
-            version=F("version") + 1,
-            updated_at=now,
-        )
-        == 1
-    )
-    if paused:
-        RunEvent.objects.create(run_id=run.pk, action="paused", actor=actor, reason=reason)
-    return paused
+    return runs.pause(run, reason=reason, actor=actor, now=now)

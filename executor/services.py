@@ -13,11 +13,11 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import User
 from django.db import IntegrityError, transaction
-from django.db.models import F, TextChoices
+from django.db.models import TextChoices
 from django.utils import timezone
 from guardian.shortcuts import assign_perm, remove_perm
 
-from executor import dispatch, policy, progress, recovery, transitions
+from executor import dispatch, policy, progress, recovery, runs, transitions
 from executor.models import (
     AGENT_WORKSPACE_PERMISSIONS,
     REVIEWER_PERMISSIONS,
@@ -379,14 +379,7 @@ def run_cancel(*, run: Run, actor: Agent | str, reason: str = "") -> Run:
         actor = agent_actor(agent)
     with transaction.atomic():
         locked = Run.objects.select_for_update().get(pk=run.pk)
-        if locked.status == RunStatus.CLOSED:
-            raise Conflict("the run is closed; there is nothing left to cancel")
-        if locked.status != RunStatus.CANCELLED:
-            locked.status = RunStatus.CANCELLED
-            locked.pause_reason = ""
-            locked.version += 1
-            locked.save(update_fields=["status", "pause_reason", "version", "updated_at"])
-            RunEvent.objects.create(run=locked, action="cancelled", actor=actor, reason=reason)
+        runs.cancel(locked, actor=actor, reason=reason)
         for step in Step.objects.filter(run=locked, state__in=CANCELLABLE):
             try:
                 transitions.move(
@@ -573,7 +566,7 @@ def _check_new_step(
     seen: dict[str, Step],
 ) -> None:
     """Everything that must hold before a new step is recorded (a ServiceError if not)."""
-    if run.status in (RunStatus.CANCELLED, RunStatus.CLOSED):
+    if run.status == RunStatus.CANCELLED:
         raise Conflict(f"run is {run.status}; it takes no new steps")
     errors = tool.validate_input(request.input)
     if errors:
@@ -1097,7 +1090,7 @@ def run_extend_budget(
         locked = Run.objects.select_for_update().get(pk=run.pk)
         if locked.version != version:
             raise run_already_handled(locked)
-        if locked.status in (RunStatus.CANCELLED, RunStatus.CLOSED):
+        if locked.status == RunStatus.CANCELLED:
             raise Conflict(f"the run is {locked.status}")
         before = {
             "max_calls": locked.max_calls,
@@ -1112,9 +1105,8 @@ def run_extend_budget(
             locked.deadline = max(locked.deadline, now) + timedelta(seconds=extend_deadline_seconds)
         locked.version += 1
         locked.save(update_fields=["max_calls", "max_cost", "deadline", "version", "updated_at"])
-        RunEvent.objects.create(
-            run=locked,
-            action="budget_extended",
+        runs.budget_extended(
+            locked,
             actor=user_actor(user),
             reason=reason,
             data={
@@ -1125,10 +1117,7 @@ def run_extend_budget(
             },
         )
         if resume and locked.status == RunStatus.PAUSED:
-            from executor import policy
-
-            locked.status = RunStatus.OPEN  # so the check below reads the new budget
-            problem = policy.budget_exhaustion(locked, now=now, fresh=False)
+            problem = policy.budget_shortfall(locked, now=now)
             if problem:
                 raise Conflict(f"the run cannot resume: {problem}")
             run_resume(run=locked, actor=user_actor(user), reason=reason, now=now)
@@ -1149,11 +1138,8 @@ def run_already_handled(run: Run) -> AlreadyHandled:
 def run_resume(*, run: Run, actor: str, reason: str, now: datetime | None = None) -> None:
     """paused → open, and every due step of the run is dispatched again."""
     now = now or timezone.now()
-    Run.objects.filter(pk=run.pk, status=RunStatus.PAUSED).update(
-        status=RunStatus.OPEN, pause_reason="", version=F("version") + 1, updated_at=now
-    )
-    run.status, run.pause_reason = RunStatus.OPEN, ""
-    RunEvent.objects.create(run=run, action="resumed", actor=actor, reason=reason)
+    if not runs.resume(run, actor=actor, reason=reason, now=now):
+        return
     Step.objects.filter(run=run, state=State.PENDING).update(not_before=now)
     dispatch.execute_many(
         list(Step.objects.filter(run=run, state=State.PENDING).values_list("pk", flat=True))
