@@ -267,7 +267,12 @@ def test_agent_loop_example_runs_against_a_live_server(
     import subprocess
 
     cluster.worker().start()
-    env = {**cluster.env, "STEPWARD_URL": web.url, "STEPWARD_TOKEN": agent_auth.token}
+    env = {
+        **cluster.env,
+        "STEPWARD_URL": web.url,
+        "STEPWARD_TOKEN": agent_auth.token,
+        "PYTHONPATH": str(ROOT),
+    }
     ended = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "agent_loop.py")],
         env=env,
