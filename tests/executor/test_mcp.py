@@ -168,3 +168,20 @@ def test_run_report_answers_the_sessions_run(session: mcp.Session) -> None:
     assert report.structured is not None
     assert report.structured["run_id"] == str(session.run_id)
     assert [entry["key"] for entry in report.structured["pending"]] == ["one"]
+
+
+# The server reads the ledger in threads of its own: they must see what the test wrote.
+@pytest.mark.django_db(transaction=True)
+def test_http_answers_a_plain_json_rpc_post(api: Any, agent_auth: Any) -> None:
+    """What the README's curl line does: one POST, one JSON answer, no session."""
+    listing = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
+    answer = api.post("/mcp", listing, HTTP_ACCEPT="application/json, text/event-stream")
+    assert answer.status_code == 200, answer.content
+    names = {tool["name"] for tool in answer.json()["result"]["tools"]}
+    assert {"echo", "ticketdesk_create", "step_status", "run_report"} <= names
+
+
+def test_http_refuses_a_body_over_the_limit(api: Any, settings: Any) -> None:
+    settings.API_MAX_BODY_BYTES = 100
+    big = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"x": "y" * 200}}
+    assert api.post("/mcp", big).status_code == 413
