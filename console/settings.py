@@ -262,6 +262,11 @@ API_BAD_TOKEN_RATE = os.environ.get("API_BAD_TOKEN_RATE", "30/min")
 # Unset, the client address is the peer's (REMOTE_ADDR). Behind a proxy you run, the header
 # it sets (e.g. X-Forwarded-For): its last entry, the one that proxy wrote, is taken.
 API_CLIENT_ADDRESS_HEADER = os.environ.get("API_CLIENT_ADDRESS_HEADER", "")
+# How long an MCP tool call waits for its step before answering where it is (seconds).
+MCP_WAIT_SECONDS = float(os.environ.get("MCP_WAIT_SECONDS", "5"))
+# The console's address as agents reach it: MCP answers over stdio link steps there (over
+# HTTP the request's own address is used).
+STEPWARD_PUBLIC_URL = os.environ.get("STEPWARD_PUBLIC_URL", "http://127.0.0.1:8000")
 # With it set, GET /metrics needs `Authorization: Bearer <METRICS_TOKEN>` (API.md).
 METRICS_TOKEN = os.environ.get("METRICS_TOKEN", "")
 

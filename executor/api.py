@@ -74,22 +74,28 @@ class AgentToken(HttpBearer):
         return cast(Agent | None, agent)
 
     def authenticate(self, request: HttpRequest, token: str) -> Agent | None:
-        token = token.strip()
-        if not token:
-            return None
-        agent = (
-            Agent.objects.select_related("workspace", "user")
-            .filter(token_hash=hash_token(token), is_active=True, user__is_active=True)
-            .first()
-        )
-        if agent is None:
-            return None
-        logcontext.add(agent=agent.name, workspace=agent.workspace.slug)
-        now = timezone.now()
-        if agent.last_seen_at is None or now - agent.last_seen_at >= LAST_SEEN_EVERY:
-            Agent.objects.filter(pk=agent.pk).update(last_seen_at=now)
-            agent.last_seen_at = now
-        return agent
+        return agent_for_token(token)
+
+
+def agent_for_token(token: str) -> Agent | None:
+    """The active agent whose token this is, or None; every surface an agent uses (the API,
+    MCP over HTTP and stdio) authenticates through here."""
+    token = token.strip()
+    if not token:
+        return None
+    agent = (
+        Agent.objects.select_related("workspace", "user")
+        .filter(token_hash=hash_token(token), is_active=True, user__is_active=True)
+        .first()
+    )
+    if agent is None:
+        return None
+    logcontext.add(agent=agent.name, workspace=agent.workspace.slug)
+    now = timezone.now()
+    if agent.last_seen_at is None or now - agent.last_seen_at >= LAST_SEEN_EVERY:
+        Agent.objects.filter(pk=agent.pk).update(last_seen_at=now)
+        agent.last_seen_at = now
+    return agent
 
 
 class Refused(Throttled):

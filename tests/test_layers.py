@@ -67,7 +67,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     (
         "entry points",
         [
-            r"executor\.(tasks|api|signals|admin|apps|demo)",
+            r"executor\.(tasks|api|signals|admin|apps|demo|mcp|mcp_server)",
             r"executor\.drill(\..*)?",
             r"executor\.management\.commands\.\w+",
         ],

@@ -311,6 +311,15 @@ class Stall:
             "AND NEW.from_state = 'verifying' AND NEW.to_state = 'completed'",
         )
 
+    def at_lookup_found(self) -> None:
+        """Stalls every lookup's unknown → verifying commit (any step: for a step posted
+        through another process, whose id the test learns only afterwards)."""
+        self._install(
+            "executor_event",
+            "BEFORE INSERT",
+            "NEW.from_state = 'unknown' AND NEW.to_state = 'verifying'",
+        )
+
     def holds(self, worker: Worker) -> bool:
         """Whether `worker` is inside the stalled commit (or, on SQLite, had it fail)."""
         if not self.postgres:

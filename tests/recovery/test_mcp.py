@@ -1,0 +1,288 @@
+"""MCP with real parts (API.md "For agent frameworks: MCP"): the SDK's own clients — stdio
+(`manage.py mcp` as a child process) and streamable HTTP (against gunicorn) — list the
+tools and call them, a real worker runs the steps, and the ticket desk supplies the faults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import httpx2
+import pytest
+from mcp import Client, StdioServerParameters
+from mcp.client.streamable_http import streamable_http_client
+from mcp_types import CallToolResult
+
+from executor import mcp, services
+from executor.models import Agent, Step
+from executor.states import State
+from tests.conftest import AgentAuth
+from tests.executor.webserver import WebServer
+from tests.recovery.conftest import Cluster, Stall
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+# Generous: the call answers as soon as its step settles; this only bounds a stuck test.
+WAIT_SECONDS = "20"
+
+type Work[T] = Callable[[Client], Awaitable[T]]
+
+
+@pytest.fixture
+def web(cluster: Cluster, tmp_path: Path) -> Iterator[WebServer]:
+    """gunicorn on this test's database and broker, as deployments run it."""
+    folder = tmp_path / "web"
+    folder.mkdir()
+    server = WebServer(folder, env={**cluster.env, "MCP_WAIT_SECONDS": WAIT_SECONDS})
+    cluster.processes.append(server)
+    server.start()
+    yield server
+    server.stop()
+
+
+def over_http[T](web: WebServer, token: str, work: Work[T]) -> T:
+    """Runs `work` with the SDK's streamable HTTP client connected to `/mcp` as the agent."""
+
+    async def session() -> T:
+        headers = {"Authorization": f"Bearer {token}"}
+        async with httpx2.AsyncClient(headers=headers, timeout=60) as http:
+            transport = streamable_http_client(f"{web.url}/mcp", http_client=http)
+            async with Client(transport) as client:
+                return await work(client)
+
+    return asyncio.run(session())
+
+
+def over_stdio[T](cluster: Cluster, token: str, work: Work[T]) -> T:
+    """Runs `work` with the SDK's stdio client talking to `manage.py mcp` as the agent."""
+    env = {**cluster.env, "STEPWARD_TOKEN": token, "MCP_WAIT_SECONDS": WAIT_SECONDS}
+    server = StdioServerParameters(
+        command=sys.executable, args=[str(ROOT / "manage.py"), "mcp"], env=env, cwd=str(ROOT)
+    )
+
+    async def session() -> T:
+        async with Client(server) as client:
+            return await work(client)
+
+    return asyncio.run(session())
+
+
+def text_of(result: CallToolResult) -> str:
+    return "\n".join(getattr(block, "text", "") for block in result.content)
+
+
+def listed_and_called(
+    tool: str, arguments: dict[str, Any]
+) -> Work[tuple[dict[str, dict[str, Any]], CallToolResult]]:
+    async def work(client: Client) -> tuple[dict[str, dict[str, Any]], CallToolResult]:
+        listed = await client.list_tools()
+        tools = {t.name: t.input_schema for t in listed.tools}
+        return tools, await client.call_tool(tool, arguments)
+
+    return work
+
+
+def call(tool: str, arguments: dict[str, Any]) -> Work[CallToolResult]:
+    async def work(client: Client) -> CallToolResult:
+        return await client.call_tool(tool, arguments)
+
+    return work
+
+
+def assert_echo_completed(
+    tools: dict[str, dict[str, Any]], result: CallToolResult, cluster: Cluster
+) -> None:
+    assert {"echo", "ticketdesk_create", "step_status", "run_report"} <= set(tools)
+    assert all(mcp.NAME_PATTERN.fullmatch(name) for name in tools)
+    assert {"key", "run"} <= set(tools["echo"]["properties"])
+    assert not result.is_error, text_of(result)
+    structured = result.structured_content
+    assert structured is not None
+    assert structured["state"] == "completed", text_of(result)
+    assert structured["result"] == {"message": "hello"}
+    assert "Completed" in text_of(result)
+    step = Step.objects.get(pk=structured["step_id"])
+    assert step.state == State.COMPLETED, cluster.diagnose()
+    assert structured["console_url"].endswith(f"/steps/{step.pk}/")
+
+
+def test_the_stdio_client_lists_the_tools_and_echo_completes(
+    cluster: Cluster, agent_auth: AgentAuth
+) -> None:
+    cluster.worker().start()
+    tools, result = over_stdio(
+        cluster, agent_auth.token, listed_and_called("echo", {"message": "hello"})
+    )
+    assert_echo_completed(tools, result, cluster)
+
+
+def test_the_http_client_lists_the_tools_and_echo_completes(
+    cluster: Cluster, web: WebServer, agent_auth: AgentAuth
+) -> None:
+    cluster.worker().start()
+    tools, result = over_http(
+        web, agent_auth.token, listed_and_called("echo", {"message": "hello"})
+    )
+    assert_echo_completed(tools, result, cluster)
+
+
+def test_http_mcp_needs_a_valid_token_and_serves_post_only(
+    web: WebServer, agent_auth: AgentAuth
+) -> None:
+    url = f"{web.url}/mcp"
+    listing = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
+    assert httpx.post(url, json=listing).status_code == 401
+    bad = httpx.post(url, json=listing, headers={"Authorization": "Bearer nope"})
+    assert bad.status_code == 401
+    assert bad.json()["error"]["code"] == "unauthorized"
+    got = httpx.get(url, headers={"Authorization": f"Bearer {agent_auth.token}"})
+    assert got.status_code == 405
+    assert got.headers["Allow"] == "POST"
+
+
+def test_stdio_refuses_to_start_without_a_valid_token(cluster: Cluster) -> None:
+    import subprocess
+
+    for token in ("", "not-a-token"):
+        env = {**cluster.env, "STEPWARD_TOKEN": token}
+        ended = subprocess.run(
+            [sys.executable, str(ROOT / "manage.py"), "mcp"],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+        )
+        assert ended.returncode != 0
+        assert "STEPWARD_TOKEN" in ended.stderr
+        assert ended.stdout == ""
+
+
+def test_a_dropped_create_answers_unknown_not_an_error(
+    cluster: Cluster, web: WebServer, agent_auth: AgentAuth, stall: Stall
+) -> None:
+    cluster.desk.faults(drop_after_commit_rate=1.0)
+    # The lookup would find the ticket at once: hold it, so the answer sees `unknown`.
+    stall.at_lookup_found()
+    cluster.worker().start()
+
+    result = over_http(web, agent_auth.token, call("ticketdesk_create", {"title": "dropped"}))
+
+    text = text_of(result)
+    assert not result.is_error, text
+    assert "Outcome unknown" in text
+    assert "A reviewer has it" in text
+    assert "Do not call the tool again" in text
+    structured = result.structured_content
+    assert structured is not None
+    step = Step.objects.get(pk=structured["step_id"])
+    assert str(step.pk) in text
+    assert f"/steps/{step.pk}/" in text
+    assert cluster.desk.count(step.operation_id) == 1  # it happened, once
+
+
+def test_a_tool_needing_approval_answers_awaiting_approval_then_completes(
+    cluster: Cluster, web: WebServer, agent_auth: AgentAuth, reviewer: Any
+) -> None:
+    services.tool_policy_set(
+        workspace=agent_auth.agent.workspace, tool="ticketdesk.create", approval="always"
+    )
+    cluster.worker().start()
+
+    first = over_http(
+        web, agent_auth.token, call("ticketdesk_create", {"title": "approve me", "key": "t1"})
+    )
+    assert not first.is_error, text_of(first)
+    assert "Awaiting approval" in text_of(first)
+    assert first.structured_content is not None
+    step = Step.objects.get(pk=first.structured_content["step_id"])
+    assert step.state == State.PLANNED
+
+    services.step_approve(step=step, user=reviewer, version=step.version, reason="fine")
+    status = over_http(web, agent_auth.token, call("step_status", {"step_id": str(step.pk)}))
+
+    assert not status.is_error, text_of(status)
+    assert status.structured_content is not None
+    assert status.structured_content["state"] == "completed", cluster.diagnose()
+    assert cluster.desk.count(step.operation_id) == 1
+
+
+def test_the_same_key_twice_is_one_step(
+    cluster: Cluster, web: WebServer, agent_auth: AgentAuth
+) -> None:
+    cluster.worker().start()
+
+    async def twice(client: Client) -> list[CallToolResult]:
+        arguments = {"message": "once", "key": "same-key"}
+        return [await client.call_tool("echo", arguments) for _ in range(2)]
+
+    answers = over_http(web, agent_auth.token, twice)
+
+    ids = {answer.structured_content["step_id"] for answer in answers if answer.structured_content}
+    assert len(ids) == 1
+    assert Step.objects.filter(key="same-key").count() == 1
+    assert all(answer.structured_content["state"] == "completed" for answer in answers)  # type: ignore[index]
+
+
+def test_a_session_cannot_see_or_call_what_its_token_may_not(
+    cluster: Cluster, web: WebServer, agent_auth: AgentAuth, other_agent_auth: AgentAuth
+) -> None:
+    services.agent_set_tools(agent=agent_auth.agent, tools=["echo"])
+    other_run, _ = services.run_create(agent=other_agent_auth.agent, name="theirs")
+    theirs, _ = services.step_post(
+        agent=other_agent_auth.agent,
+        run=other_run,
+        key="secret-step",
+        tool_name="echo",
+        input={"message": "not yours"},
+    )
+
+    async def probe(client: Client) -> tuple[set[str], CallToolResult, CallToolResult]:
+        listed = {tool.name for tool in (await client.list_tools()).tools}
+        refused = await client.call_tool("ticketdesk_create", {"title": "no"})
+        hidden = await client.call_tool("step_status", {"step_id": str(theirs.pk)})
+        return listed, refused, hidden
+
+    listed, refused, hidden = over_http(web, agent_auth.token, probe)
+
+    assert "echo" in listed
+    assert "ticketdesk_create" not in listed
+    assert refused.is_error
+    assert hidden.is_error
+    assert "not yours" not in text_of(hidden)
+    assert not Step.objects.filter(tool="ticketdesk.create").exists()
+
+
+def test_agent_loop_example_runs_against_a_live_server(
+    cluster: Cluster, web: WebServer, agent: Agent, agent_auth: AgentAuth
+) -> None:
+    import subprocess
+
+    cluster.worker().start()
+    env = {
+        **cluster.env,
+        "STEPWARD_URL": web.url,
+        "STEPWARD_TOKEN": agent_auth.token,
+        "PYTHONPATH": str(ROOT),
+    }
+    ended = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "agent_loop.py")],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert ended.returncode == 0, ended.stdout + ended.stderr + cluster.diagnose()
+    steps = Step.objects.filter(run__agent=agent)
+    assert steps.count() >= 2, ended.stdout
+    assert set(steps.values_list("state", flat=True)) == {State.COMPLETED}, cluster.diagnose()
+    assert re.search(r"\d+ completed", ended.stdout), ended.stdout
