@@ -24,7 +24,12 @@ def env_bool(name: str, default: bool) -> bool:
 
 def env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
-    return int(value) if value not in (None, "") else default
+    if value is None or value.strip() == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be a whole number, not {value!r}") from None
 
 
 def env_list(name: str, default: str) -> list[str]:
@@ -290,7 +295,12 @@ EXECUTOR_SWEEP_SECONDS = float(os.environ.get("EXECUTOR_SWEEP_SECONDS", "5"))
 EXECUTOR_HTTP_ALLOWED_HOSTS = env_list("EXECUTOR_HTTP_ALLOWED_HOSTS", "")
 # `http.get` stops reading a response after this many bytes (its result says it was cut).
 EXECUTOR_HTTP_MAX_RESPONSE_BYTES = env_int("EXECUTOR_HTTP_MAX_RESPONSE_BYTES", 1024 * 1024)
-TICKETDESK_URL = os.environ.get("TICKETDESK_URL", "http://127.0.0.1:8765")
+# Where `manage.py up` serves the console and API (`up --port` overrides it).
+PORT = env_int("PORT", 8000)
+# Where `manage.py up` and `manage.py ticketdesk` serve the desk; the tools reach it at
+# TICKETDESK_URL, which follows this port unless set.
+TICKETDESK_PORT = env_int("TICKETDESK_PORT", 8765)
+TICKETDESK_URL = os.environ.get("TICKETDESK_URL", f"http://127.0.0.1:{TICKETDESK_PORT}")
 TICKETDESK_TIMEOUT_SECONDS = float(os.environ.get("TICKETDESK_TIMEOUT_SECONDS", "10"))
 
 # --- Celery ----------------------------------------------------------------------------
