@@ -276,21 +276,31 @@ class Command(BaseCommand):
                 f"the console and the ticket desk cannot share port {port}: "
                 f"choose another for the desk, e.g. TICKETDESK_PORT={port + 1} make run"
             )
+        taken = {port, desk_port}
+
+        def free_after(host: str, start: int) -> int:
+            """A port to suggest: the next one that is free now (or just the next one)."""
+            for candidate in range(start + 1, min(start + 50, 65536)):
+                if candidate not in taken and port_in_use(host, candidate) is None:
+                    return candidate
+            return start + 1
+
         held = port_in_use(host, port)
         if held:
+            other = free_after(host, port)
             problems.append(
                 f"port {port} on {host} is already in use ({held}): another Stepward or "
                 f"another server is listening there. Stop it, or choose another port: "
-                f"PORT={port + 1} make run (or manage.py up --port {port + 1})."
+                f"PORT={other} make run (or manage.py up --port {other})."
             )
         if desk_port is not None:
             held = port_in_use("127.0.0.1", desk_port)
             if held:
+                other = free_after("127.0.0.1", desk_port)
                 problems.append(
                     f"the ticket desk's port {desk_port} on 127.0.0.1 is already in use "
                     f"({held}). Stop what holds it, or choose another port: "
-                    f"TICKETDESK_PORT={desk_port + 1} make run "
-                    f"(or manage.py up --desk-port {desk_port + 1})."
+                    f"TICKETDESK_PORT={other} make run (or manage.py up --desk-port {other})."
                 )
         if problems:
             raise CommandError("nothing was started: " + " ".join(problems))
