@@ -12,7 +12,8 @@ FIND_PYTHON = for p in python3.13 python3.12 $$HOME/.pyenv/versions/3.13*/bin/py
 
 .PHONY: help
 help:
-	@echo "make run    set up and run Stepward on SQLite with an embedded broker (http://127.0.0.1:8000)"
+	@echo "make run    set up and run Stepward on SQLite with an embedded broker (http://127.0.0.1:8000;"
+	@echo "            PORT=8001 TICKETDESK_PORT=8766 make run picks other ports)"
 	@echo "make test   set up and run the linters and the test suites"
 	@echo "make lint   ruff and mypy only"
 

@@ -24,7 +24,12 @@ def env_bool(name: str, default: bool) -> bool:
 
 def env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
-    return int(value) if value not in (None, "") else default
+    if value is None or value.strip() == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be a whole number, not {value!r}") from None
 
 
 def env_list(name: str, default: str) -> list[str]:
@@ -264,9 +269,6 @@ API_BAD_TOKEN_RATE = os.environ.get("API_BAD_TOKEN_RATE", "30/min")
 API_CLIENT_ADDRESS_HEADER = os.environ.get("API_CLIENT_ADDRESS_HEADER", "")
 # How long an MCP tool call waits for its step before answering where it is (seconds).
 MCP_WAIT_SECONDS = float(os.environ.get("MCP_WAIT_SECONDS", "5"))
-# The console's address as agents reach it: MCP answers over stdio link steps there (over
-# HTTP the request's own address is used).
-STEPWARD_PUBLIC_URL = os.environ.get("STEPWARD_PUBLIC_URL", "http://127.0.0.1:8000")
 # With it set, GET /metrics needs `Authorization: Bearer <METRICS_TOKEN>` (API.md).
 METRICS_TOKEN = os.environ.get("METRICS_TOKEN", "")
 
@@ -295,7 +297,15 @@ EXECUTOR_SWEEP_SECONDS = float(os.environ.get("EXECUTOR_SWEEP_SECONDS", "5"))
 EXECUTOR_HTTP_ALLOWED_HOSTS = env_list("EXECUTOR_HTTP_ALLOWED_HOSTS", "")
 # `http.get` stops reading a response after this many bytes (its result says it was cut).
 EXECUTOR_HTTP_MAX_RESPONSE_BYTES = env_int("EXECUTOR_HTTP_MAX_RESPONSE_BYTES", 1024 * 1024)
-TICKETDESK_URL = os.environ.get("TICKETDESK_URL", "http://127.0.0.1:8765")
+# Where `manage.py up` serves the console and API (`up --port` overrides it).
+PORT = env_int("PORT", 8000)
+# The console's address as agents reach it: MCP answers over stdio link steps there (over
+# HTTP the request's own address is used).
+STEPWARD_PUBLIC_URL = os.environ.get("STEPWARD_PUBLIC_URL", f"http://127.0.0.1:{PORT}")
+# Where `manage.py up` and `manage.py ticketdesk` serve the desk; the tools reach it at
+# TICKETDESK_URL, which follows this port unless set.
+TICKETDESK_PORT = env_int("TICKETDESK_PORT", 8765)
+TICKETDESK_URL = os.environ.get("TICKETDESK_URL", f"http://127.0.0.1:{TICKETDESK_PORT}")
 TICKETDESK_TIMEOUT_SECONDS = float(os.environ.get("TICKETDESK_TIMEOUT_SECONDS", "10"))
 
 # --- Celery ----------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -297,6 +298,21 @@ def reviewer_create(*, workspace: Workspace, username: str, password: str | None
         for permission in REVIEWER_PERMISSIONS:
             assign_perm(f"executor.{permission}", user, workspace)
     return user
+
+
+def admin_create_first(*, username: str = "admin") -> str | None:
+    """A superuser with a random password, when the database has no superuser yet and
+    `username` is free. Returns the password, which is stored hashed and never shown
+    again; None when nothing was created."""
+    user_model = get_user_model()
+    with transaction.atomic():
+        if user_model.objects.filter(is_superuser=True).exists():
+            return None
+        if user_model.objects.filter(username=username).exists():
+            return None
+        password = secrets.token_urlsafe(12)
+        user_model.objects.create_superuser(username=username, password=password)
+    return password
 
 
 # --- runs -------------------------------------------------------------------------------

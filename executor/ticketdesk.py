@@ -24,8 +24,12 @@ Routes:
   "faults_injected": {...}, "stale_fence_refused": n}`. Ticket counts come from the
   store; the fault and refusal counters count since this process started.
 - `GET /faults`, `POST /faults` `{latency_ms, error_503_rate, error_429_rate,
-  retry_after, drop_after_commit_rate, seed}` (each optional, merged into the current
-  set; `{"reset": true}` clears them first). Rates are probabilities in [0, 1].
+  retry_after, drop_after_commit_rate, seed, title_faults}` (each optional, merged into the
+  current set; `{"reset": true}` clears them first). Rates are probabilities in [0, 1].
+  `title_faults` `{"text": "error_503" | "error_429" | "drop_after_commit"}` picks calls
+  by what they are rather than by chance: every create whose title contains the text
+  gets that fault, every time, until the faults change (a demo or a test can then say
+  which call drops).
 - `GET /health` → 200.
 
 Faults apply to the routes that create or close tickets, never to reads, stats or faults.
@@ -60,7 +64,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -283,6 +287,11 @@ class Faults:
     retry_after: int = 1
     drop_after_commit_rate: float = 0.0
     seed: int | None = None
+    title_faults: dict[str, str] = field(default_factory=dict)
+
+
+TITLE_FAULTS = ("error_503", "error_429", "drop_after_commit")
+MAX_TITLE_FAULTS = 50
 
 
 def _is_number(value: Any) -> bool:
@@ -313,6 +322,19 @@ def _validate_faults(changes: dict[str, Any]) -> dict[str, Any]:
         raise DeskError(HTTPStatus.BAD_REQUEST, "seed must be an integer or null")
     if not isinstance(changes.get("reset", False), bool):
         raise DeskError(HTTPStatus.BAD_REQUEST, "reset must be a boolean")
+    by_title = changes.get("title_faults", {})
+    if not isinstance(by_title, dict) or len(by_title) > MAX_TITLE_FAULTS:
+        raise DeskError(
+            HTTPStatus.BAD_REQUEST,
+            f"title_faults must be an object of at most {MAX_TITLE_FAULTS} entries",
+        )
+    for text, fault in by_title.items():
+        if not text or len(text) > MAX_TITLE_CHARS or fault not in TITLE_FAULTS:
+            raise DeskError(
+                HTTPStatus.BAD_REQUEST,
+                "title_faults maps a text found in titles (1 to "
+                f"{MAX_TITLE_CHARS} characters) to one of {', '.join(TITLE_FAULTS)}",
+            )
     return changes
 
 
@@ -350,12 +372,20 @@ class FaultInjector:
     def _roll(self, rate: float) -> bool:
         return rate > 0 and self._random.random() < rate
 
-    def before_commit(self) -> None:
+    def _by_title(self, title: str | None) -> set[str]:
+        if not title:
+            return set()
+        return {fault for text, fault in self._faults.title_faults.items() if text in title}
+
+    def before_commit(self, title: str | None = None) -> None:
         """Serves latency, then answers 503 or 429 before anything is committed."""
         with self._lock:
             faults = self._faults
-            error_503 = self._roll(faults.error_503_rate)
-            error_429 = not error_503 and self._roll(faults.error_429_rate)
+            chosen = self._by_title(title)
+            error_503 = "error_503" in chosen or self._roll(faults.error_503_rate)
+            error_429 = not error_503 and (
+                "error_429" in chosen or self._roll(faults.error_429_rate)
+            )
             if error_503:
                 self.injected["error_503"] += 1
             if error_429:
@@ -371,9 +401,11 @@ class FaultInjector:
                 headers={"Retry-After": str(faults.retry_after)},
             )
 
-    def after_commit(self) -> None:
+    def after_commit(self, title: str | None = None) -> None:
         with self._lock:
-            drop = self._roll(self._faults.drop_after_commit_rate)
+            drop = "drop_after_commit" in self._by_title(title) or self._roll(
+                self._faults.drop_after_commit_rate
+            )
             if drop:
                 self.injected["drop_after_commit"] += 1
         if drop:
@@ -603,7 +635,7 @@ class DeskHandler(BaseHTTPRequestHandler):
         assert client_ref is not None
         fence = self._fence()
         faults = self.server.faults
-        faults.before_commit()
+        faults.before_commit(title)
         try:
             ticket, created = self.server.store.create(
                 title=title,
@@ -615,7 +647,7 @@ class DeskHandler(BaseHTTPRequestHandler):
         except StaleFence:
             faults.count_stale_fence()
             raise
-        faults.after_commit()
+        faults.after_commit(title)
         if created:
             return HTTPStatus.CREATED, ticket, {}
         return HTTPStatus.OK, ticket, {"Idempotent-Replayed": "true"}

@@ -422,6 +422,7 @@ def test_faults_are_merged_into_the_current_set_and_reset_clears_them(desk: Desk
         "retry_after": 1,
         "drop_after_commit_rate": 0.0,
         "seed": None,
+        "title_faults": {},
     }
 
 
@@ -437,6 +438,11 @@ def test_faults_are_merged_into_the_current_set_and_reset_clears_them(desk: Desk
         {"seed": "abc"},
         {"reset": "yes"},
         {"no_such_fault": 1},
+        {"title_faults": ["drop_after_commit"]},
+        {"title_faults": {"": "error_503"}},
+        {"title_faults": {"x" * 201: "error_503"}},
+        {"title_faults": {"Refund": "explode"}},
+        {"title_faults": {f"t{n}": "error_503" for n in range(51)}},
     ],
 )
 def test_bad_fault_settings_are_refused_and_change_nothing(desk: Desk, bad: dict[str, Any]) -> None:
@@ -515,6 +521,42 @@ def test_faults_never_apply_to_reads_stats_or_faults(desk: Desk) -> None:
     assert desk.get(f"/tickets/{ticket['ticket_id']}").status_code == 200
     assert desk.get("/stats").status_code == 200
     assert desk.get("/faults").status_code == 200
+
+
+def test_title_faults_pick_calls_by_their_title_every_time(desk: Desk) -> None:
+    dropped, refused, spared = new_ref(), new_ref(), new_ref()
+    desk.faults(title_faults={"Call back Alan": "drop_after_commit", "Escalate": "error_503"})
+
+    for _ in range(2):
+        with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
+            httpx.post(
+                f"{desk.url}/tickets",
+                json={"title": "Call back Alan Turing", "client_ref": dropped},
+                timeout=10,
+            )
+    escalations = [
+        desk.post(
+            "/tickets/keyed",
+            {"title": "Escalate refund 4471", "client_ref": refused},
+            **{"Idempotency-Key": refused},
+        ).status_code
+        for _ in range(3)
+    ]
+    other = desk.post("/tickets", {"title": "Refund follow-up", "client_ref": spared})
+
+    assert desk.count(dropped) == 2, "a drop comes after the commit"
+    assert escalations == [503, 503, 503]
+    assert desk.count(refused) == 0, "a 503 comes before it"
+    assert other.status_code == 201
+    desk.faults(reset=True)
+    assert (
+        desk.post(
+            "/tickets/keyed",
+            {"title": "Escalate refund 4471", "client_ref": refused},
+            **{"Idempotency-Key": refused},
+        ).status_code
+        == 201
+    )
 
 
 def test_a_seeded_rate_injects_a_repeatable_share_of_faults(desk: Desk) -> None:

@@ -19,7 +19,12 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--host", default="127.0.0.1")
-        parser.add_argument("--port", type=int, default=8765, help="0 picks a free port")
+        parser.add_argument(
+            "--port",
+            type=int,
+            default=settings.TICKETDESK_PORT,
+            help="default TICKETDESK_PORT (8765); 0 picks a free port",
+        )
         parser.add_argument(
             "--db", default=None, help="SQLite file (default: VAR_DIR/ticketdesk.sqlite3)"
         )
