@@ -91,6 +91,15 @@ class ReadOnlyAdmin(admin.ModelAdmin):
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
 
+    # "View on site" opens the record's page in the reviewers' console (with its
+    # decisions), where there is one: the console's URL name.
+    console_page = ""
+
+    def get_view_on_site_url(self, obj: Any = None) -> str | None:
+        if obj is None or not self.console_page:
+            return None
+        return console_url(self.console_page, obj.pk)
+
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
         own = [field.name for field in self.model._meta.fields]
         return own + [name for name in self.readonly_fields if name not in own]
@@ -498,9 +507,7 @@ class AgentAdmin(admin.ModelAdmin):
 
 @admin.register(Run)
 class RunAdmin(ReadOnlyAdmin):
-    # "View on site": the run's page in the reviewers' console.
-    def view_on_site(self, obj: Run) -> str:
-        return console_url("run", obj.pk)
+    console_page = "run"
 
     list_display = [
         "name",
@@ -611,9 +618,7 @@ class ApprovalInline(ReadOnlyInline):
 
 @admin.register(Step)
 class StepAdmin(ReadOnlyAdmin):
-    # "View on site": the step's page in the reviewers' console, with its decisions.
-    def view_on_site(self, obj: Step) -> str:
-        return console_url("step", obj.pk)
+    console_page = "step"
 
     list_display = [
         "key",
@@ -788,8 +793,7 @@ class ApprovalAdmin(ReadOnlyAdmin):
 
 @admin.register(DrillReport)
 class DrillReportAdmin(ReadOnlyAdmin):
-    def view_on_site(self, obj: DrillReport) -> str:
-        return console_url("drill", obj.pk)
+    console_page = "drill"
 
     list_display = [
         "started_at",

@@ -288,18 +288,22 @@ class Report:
         )
 
 
-class Step:
-    """A step as last read; `refresh()` and `wait()` read it again. `raw` is the API's dict."""
+class _Record:
+    """A record as the API last answered it: `raw` is the API's dict."""
 
     def __init__(self, client: Stepward, raw: dict[str, Any], *, created: bool = False) -> None:
         self._client = client
         self.raw = raw
-        # Whether the POST that returned this step created it (201), rather than found it.
+        # Whether the POST that returned this record created it (201), rather than found it.
         self.created = created
 
     @property
     def id(self) -> str:
         return str(self.raw["id"])
+
+
+class Step(_Record):
+    """A step as last read; `refresh()` and `wait()` read it again."""
 
     @property
     def run_id(self) -> str:
@@ -426,18 +430,8 @@ class StepSpec:
         return body
 
 
-class Run:
-    """A run as last read; `raw` is the API's dict."""
-
-    def __init__(self, client: Stepward, raw: dict[str, Any], *, created: bool = False) -> None:
-        self._client = client
-        self.raw = raw
-        # Whether the POST that returned this run created it (201), rather than found it.
-        self.created = created
-
-    @property
-    def id(self) -> str:
-        return str(self.raw["id"])
+class Run(_Record):
+    """A run as last read."""
 
     @property
     def name(self) -> str:

@@ -62,7 +62,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("progress", [r"executor\.progress"]),
     ("engine", [r"executor\.engine"]),
     ("recovery", [r"executor\.recovery"]),
-    ("writes", [r"executor\.services", r"executor\.sweeper"]),
+    ("writes", [r"executor\.services(\.\w+)?", r"executor\.sweeper"]),
     ("decisions", [r"executor\.decisions"]),
     (
         "entry points",

@@ -1,0 +1,128 @@
+"""Writes for agents, reviewers and operators: one module per domain, imported through
+this package (`from executor import services`; `services.step_approve(...)`).
+
+Every step state change goes through executor/transitions.py, every run status change
+through executor/runs.py.
+"""
+
+from __future__ import annotations
+
+from executor.services.accounts import (
+    admin_create_first,
+    agent_create,
+    agent_rotate_token,
+    agent_set_active,
+    agent_set_tools,
+    reviewer_create,
+    workspace_get_or_create,
+)
+from executor.services.base import (
+    AGENT_NAME,
+    AlreadyHandled,
+    Conflict,
+    Invalid,
+    NotPermitted,
+    ServiceError,
+    agent_actor,
+    require_perm,
+    require_reason,
+    user_actor,
+)
+from executor.services.posting import (
+    MAX_BATCH,
+    POST_RETRIES,
+    StepRequest,
+    approval_rules,
+    policy_approval,
+    step_needs_person,
+    step_post,
+    step_record_policy_approval,
+    steps_post,
+    summary_of,
+)
+from executor.services.reviews import (
+    Resolution,
+    already_handled,
+    approval_permission,
+    check_external_id,
+    compensation_request,
+    deadletter_replay,
+    deadletters_replay,
+    open_compensation,
+    own_request_refusal,
+    requested_by,
+    run_again_allowed,
+    step_approve,
+    step_probe,
+    step_reject,
+    step_resolve_unknown,
+    step_resume,
+)
+from executor.services.runs import (
+    run_already_handled,
+    run_cancel,
+    run_create,
+    run_extend_budget,
+    run_resume,
+)
+from executor.services.tools import (
+    ToolsLoaded,
+    http_tools_load,
+    tool_policy_set,
+    tools_sync,
+)
+
+__all__ = [
+    "AGENT_NAME",
+    "MAX_BATCH",
+    "POST_RETRIES",
+    "AlreadyHandled",
+    "Conflict",
+    "Invalid",
+    "NotPermitted",
+    "Resolution",
+    "ServiceError",
+    "StepRequest",
+    "ToolsLoaded",
+    "admin_create_first",
+    "agent_actor",
+    "agent_create",
+    "agent_rotate_token",
+    "agent_set_active",
+    "agent_set_tools",
+    "already_handled",
+    "approval_permission",
+    "approval_rules",
+    "check_external_id",
+    "compensation_request",
+    "deadletter_replay",
+    "deadletters_replay",
+    "http_tools_load",
+    "open_compensation",
+    "own_request_refusal",
+    "policy_approval",
+    "requested_by",
+    "require_perm",
+    "require_reason",
+    "reviewer_create",
+    "run_again_allowed",
+    "run_already_handled",
+    "run_cancel",
+    "run_create",
+    "run_extend_budget",
+    "run_resume",
+    "step_approve",
+    "step_needs_person",
+    "step_post",
+    "step_probe",
+    "step_record_policy_approval",
+    "step_reject",
+    "step_resolve_unknown",
+    "step_resume",
+    "steps_post",
+    "summary_of",
+    "tool_policy_set",
+    "tools_sync",
+    "user_actor",
+    "workspace_get_or_create",
+]
