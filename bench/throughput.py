@@ -27,6 +27,9 @@ never in the project's. If a peer cannot be installed or run, the output says so
 Databases: stepward_bench, stepward_bench_counts, stepward_bench_dbos (dropped at the end,
 but for `--keep-db`);
 Redis DBs 12 (Stepward's broker), 13 (raw Celery), 14 (the in-process counts).
+
+One script on purpose (about 1,200 lines): the bench's whole procedure, peers included,
+can be read and rerun from one file.
 """
 
 from __future__ import annotations

@@ -2,6 +2,10 @@
 
 Views stay thin: they find the object the reviewer may see, check the permission the
 decision needs, and hand over to `executor.services`; reads come from `executor.selectors`.
+
+Why one module of about 800 lines: one short view per console page and the helpers they
+share; every decision on a step goes through one view, `step_decide`, driven by
+`executor.decisions`.
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
 The ledger (runs, steps, attempts, events, approvals, drills) can be read here but never
 written: state changes go through the services, which keep the Event chain intact.
+
+Why one module of about 800 lines: one short ModelAdmin per model (a dozen), with the
+filters and links they share; split by model they would be files that change together.
 """
 
 from __future__ import annotations

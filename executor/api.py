@@ -3,6 +3,9 @@
 Handlers parse, call a service or selector, and shape the answer; the rules live in
 `services` and `selectors`. An agent sees its workspace's runs and steps and nothing else:
 another workspace's ids answer exactly like ids that do not exist.
+
+Why one module of about 700 lines: one handler per operation of API.md, in its order,
+with the authentication and error shape they share.
 """
 
 from __future__ import annotations

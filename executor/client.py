@@ -29,6 +29,8 @@ exceptions. Against `make run` (it prints the demo agent's token at start)::
         print(run.report().summary)
 
 `Stepward(url)` takes the server's root or its `/api/v1` URL.
+
+One file on purpose (about 700 lines): agents copy it into their own code.
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@ Commit points of one attempt:
   pure/read tools:         claim+authorize+submitting (batch) | call | completed (batch)
   write/destructive tools: claim+authorize (batch) | submitting | call | responded→verifying |
                            completed — each write step in a thread of the worker's pool
+
+Why one module of about 1,000 lines: it is the single path from a claim to an outcome,
+and §5's commit points must be read in order, in one place, to be checked; what is not on
+that path lives elsewhere (recovery, progress, policy, dispatch, transitions).
 """
 
 from __future__ import annotations

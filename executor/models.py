@@ -1,4 +1,8 @@
-"""The ledger's records (DESIGN.md §3). The database holds every rule it can."""
+"""The ledger's records (DESIGN.md §3). The database holds every rule it can.
+
+Why one module of about 700 lines: the records refer to each other and their constraints
+are read together; the tool contract's vocabulary they use lives in `executor.tools`.
+"""
 
 from __future__ import annotations
 

@@ -48,6 +48,9 @@ refuses a lower one with 409 `{"error": "stale fence"}` before committing anythi
 worker whose lease was taken over cannot act. `GET /tickets?client_ref=R` with a token
 raises the remembered token without refusing: a lookup made under a newer lease thereby
 stops a slower request from the old lease from committing after the lookup answered.
+
+One file on purpose (about 750 lines): a standalone service that runs and can be copied
+without the project.
 """
 
 from __future__ import annotations

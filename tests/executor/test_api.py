@@ -1,4 +1,8 @@
-"""The agents' API answers as API.md promises: shapes, idempotency, visibility and errors."""
+"""The agents' API answers as API.md promises: shapes, idempotency, visibility and errors.
+
+Why one module of about 1,000 lines: one test or more per operation of API.md, sharing
+the API client fixtures.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""The ticket desk as a real process, and the tools that call it (DESIGN.md §6 to §8)."""
+"""The ticket desk as a real process, and the tools that call it (DESIGN.md §6 to §8).
+
+Why one module of about 1,100 lines: the desk's routes and faults and each desk tool's
+failure classes share one desk process and its fixtures.
+"""
 
 from __future__ import annotations
 
