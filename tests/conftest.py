@@ -3,54 +3,18 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from django.contrib.auth import get_user_model
 from django.core.cache import caches
 from django.core.cache.backends.locmem import LocMemCache
-from django.db import connection
-from django.test import Client
 
 from executor import dispatch, services
 from executor.models import Agent, Workspace
+from tests.support.api import AgentAuth, ApiClient
 
 os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # live_server + Playwright
-
-
-def on_postgres() -> bool:
-    return connection.vendor == "postgresql"
-
-
-@dataclass
-class AgentAuth:
-    agent: Agent
-    token: str
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"HTTP_AUTHORIZATION": f"Bearer {self.token}"}
-
-
-class ApiClient:
-    """The Django test client speaking JSON with an agent's bearer token."""
-
-    def __init__(self, auth: AgentAuth | None) -> None:
-        self.client = Client()
-        self.headers = auth.headers if auth else {}
-
-    def get(self, path: str, **extra: Any) -> Any:
-        return self.client.get(path, **self.headers, **extra)
-
-    def post(self, path: str, data: Any = None, **extra: Any) -> Any:
-        return self.client.post(
-            path,
-            data=data if data is not None else {},
-            content_type="application/json",
-            **self.headers,
-            **extra,
-        )
 
 
 @pytest.fixture

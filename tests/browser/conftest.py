@@ -38,8 +38,8 @@ from executor.tools.base import (
     register,
     unregister,
 )
-from tests.recovery import processes
-from tests.recovery.conftest import own_queue
+from tests.support import processes
+from tests.support.cluster import own_queue
 
 os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # pytest-django live_server + Playwright
 

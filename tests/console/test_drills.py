@@ -9,7 +9,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from executor.models import DrillReport
-from tests.console.conftest import read
+from tests.support.console import read
 
 
 def drill(**fields: object) -> DrillReport:

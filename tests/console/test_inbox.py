@@ -15,7 +15,7 @@ from django.urls import reverse
 from executor import recovery, services
 from executor.models import Agent, Run, Step
 from executor.states import State
-from tests.console.conftest import (
+from tests.support.console import (
     age,
     blocked,
     bulk_steps,

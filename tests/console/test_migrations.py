@@ -13,7 +13,7 @@ from django.utils import timezone
 from executor import recovery
 from executor.models import Agent, Event, Run, Step
 from executor.states import State
-from tests.console.conftest import age, reload, unknown
+from tests.support.console import age, reload, unknown
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),

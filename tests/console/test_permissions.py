@@ -13,7 +13,7 @@ from django.urls import reverse
 
 from executor import decisions
 from executor.models import Agent, Run
-from tests.console.conftest import dead, htmx, planned, read
+from tests.support.console import dead, htmx, planned, read
 
 pytestmark = pytest.mark.usefixtures("tools")
 

@@ -11,7 +11,7 @@ from django.urls import reverse
 
 from executor import services
 from executor.models import Agent, Run, Step
-from tests.console.conftest import bulk_steps, htmx, paused
+from tests.support.console import bulk_steps, htmx, paused
 
 # A signed-in reviewer's inbox page, query by query:
 #   1 the session, 2 the user, 3-4 the user's global permissions (own and by group; guardian

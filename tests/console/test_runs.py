@@ -13,7 +13,7 @@ from django.urls import reverse
 from console import views
 from executor import services
 from executor.models import Agent, Run, RunEvent, RunStatus
-from tests.console.conftest import (
+from tests.support.console import (
     completed,
     dead,
     htmx,

@@ -18,7 +18,7 @@ from django.utils import timezone
 
 from console.security import client_ip
 from executor.models import Agent, DrillReport, Run
-from tests.console.conftest import dead, unknown
+from tests.support.console import dead, unknown
 
 pytestmark = pytest.mark.django_db
 

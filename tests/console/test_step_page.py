@@ -10,7 +10,7 @@ from django.test import Client
 from django.urls import reverse
 
 from executor.models import Agent, Run
-from tests.console.conftest import (
+from tests.support.console import (
     blocked,
     compensation,
     completed,

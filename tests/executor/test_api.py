@@ -33,8 +33,8 @@ from executor.tools.base import (
     unregister,
 )
 from executor.tools.base import Tool as ToolBase
-from tests.conftest import AgentAuth, ApiClient
-from tests.executor.factories import advance, new_step, step_in
+from tests.support.api import AgentAuth, ApiClient, error_of
+from tests.support.factories import advance, new_step, step_in
 
 API = "/api/v1"
 RUN_KEYS = {
@@ -83,17 +83,6 @@ TOOL_KEYS = {
     "usable",
 }
 SECRET = "hunter2-correct-horse"
-
-
-def error_of(response: Any) -> dict[str, Any]:
-    """The error object of an answer, after checking it has the one error shape."""
-    assert response["Content-Type"].startswith("application/json"), response.content[:200]
-    body = response.json()
-    assert set(body) == {"error"}
-    assert set(body["error"]) == {"code", "message", "details"}
-    assert isinstance(body["error"]["message"], str)
-    assert body["error"]["message"]
-    return body["error"]
 
 
 def post_raw(api: ApiClient, path: str, body: str | bytes) -> Any:

@@ -20,9 +20,8 @@ from executor.api import long_polls_held
 from executor.drill.processes import wait_until
 from executor.models import Run, Step
 from executor.states import State
-from tests.conftest import AgentAuth, ApiClient
-from tests.executor.factories import new_step
-from tests.executor.test_api import error_of
+from tests.support.api import AgentAuth, ApiClient, error_of
+from tests.support.factories import new_step
 
 API = "/api/v1"
 

@@ -17,9 +17,9 @@ from executor.models import Agent, Approval, Run, Step, Workspace
 from executor.selectors import InboxFilter, InboxKind, inbox_counts
 from executor.states import State
 from executor.tools.base import FailureClass, Lookup, LookupOutcome
-from tests.conftest import ApiClient
-from tests.executor import tooling
-from tests.executor.tooling import CostlyTool, LookupTool, UndoTool, post, reload
+from tests.support import tooling
+from tests.support.api import ApiClient
+from tests.support.tooling import CostlyTool, LookupTool, UndoTool, post, reload
 
 pytestmark = pytest.mark.django_db
 

@@ -16,8 +16,8 @@ from executor.models import Agent, Approval, Phase, Run, RunStatus, Step, Worksp
 from executor.models import Tool as ToolRow
 from executor.states import State
 from executor.tools.base import FailureClass, ToolError, unregister
-from tests.executor import tooling
-from tests.executor.tooling import (
+from tests.support import tooling
+from tests.support.tooling import (
     DestructiveTool,
     UndoTool,
     WriteTool,

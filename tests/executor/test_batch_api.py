@@ -16,7 +16,7 @@ from executor import dispatch, engine, services
 from executor.models import Agent, Approval, Event, Run, Step
 from executor.models import Tool as ToolRow
 from executor.states import State
-from tests.conftest import ApiClient
+from tests.support.api import ApiClient
 
 pytestmark = pytest.mark.django_db
 

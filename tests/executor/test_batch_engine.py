@@ -18,8 +18,8 @@ from executor import dispatch, engine, recovery, services
 from executor.models import Agent, Attempt, Phase, Run, RunStatus, Step, Workspace
 from executor.models import Tool as ToolRow
 from executor.states import State
-from tests.executor import tooling
-from tests.executor.tooling import PureTool, WriteTool, expire_lease, reload
+from tests.support import tooling
+from tests.support.tooling import PureTool, WriteTool, expire_lease, reload
 
 pytestmark = pytest.mark.django_db
 

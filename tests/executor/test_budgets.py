@@ -12,8 +12,8 @@ from django.utils import timezone
 from executor import dispatch, engine, services, sweeper
 from executor.models import Agent, Attempt, Run, RunStatus, Step
 from executor.states import State
-from tests.executor import tooling
-from tests.executor.tooling import CostlyTool, PureTool, WriteTool, post, reload
+from tests.support import tooling
+from tests.support.tooling import CostlyTool, PureTool, WriteTool, post, reload
 
 pytestmark = pytest.mark.django_db
 

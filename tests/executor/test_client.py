@@ -42,8 +42,8 @@ from executor.client import (
 from executor.models import Run
 from executor.models import Step as StepRow
 from executor.states import State
-from tests.conftest import AgentAuth
-from tests.executor.factories import advance
+from tests.support.api import AgentAuth
+from tests.support.factories import advance
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

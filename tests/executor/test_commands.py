@@ -27,8 +27,8 @@ from executor.models import (
 )
 from executor.states import State
 from executor.transitions import event_hash
-from tests.conftest import AgentAuth, ApiClient
-from tests.executor.factories import advance, step_in
+from tests.support.api import AgentAuth, ApiClient
+from tests.support.factories import advance, step_in
 
 EVENTS = Event._meta.db_table
 

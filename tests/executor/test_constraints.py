@@ -18,7 +18,7 @@ from django.utils import timezone
 
 from executor.models import Agent, Approval, Attempt, Event, Phase, Run, RunStatus, Step
 from executor.states import State
-from tests.executor.factories import WORKER, new_step, step_in
+from tests.support.factories import WORKER, new_step, step_in
 
 pytestmark = pytest.mark.django_db
 

@@ -27,9 +27,9 @@ from executor.tools.base import (
     ToolError,
     ToolResult,
 )
-from tests.executor import tooling
-from tests.executor.factories import chain_problems
-from tests.executor.tooling import (
+from tests.support import tooling
+from tests.support.factories import chain_problems
+from tests.support.tooling import (
     KeyedTool,
     LookupTool,
     PureTool,

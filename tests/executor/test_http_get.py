@@ -32,8 +32,7 @@ from executor.tools.base import (
     unregister,
 )
 from executor.tools.http_get import MAX_BODY_CHARS
-from tests.conftest import ApiClient
-from tests.executor.test_api import error_of
+from tests.support.api import ApiClient, error_of
 
 API = "/api/v1"
 BIG = 2 * 1024 * 1024

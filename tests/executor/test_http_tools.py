@@ -28,7 +28,7 @@ from executor.models import Tool as ToolRow
 from executor.states import State
 from executor.tools import http as http_tools
 from executor.tools.base import get_tool, unregister
-from tests.conftest import ApiClient
+from tests.support.api import ApiClient
 
 pytestmark = pytest.mark.django_db
 

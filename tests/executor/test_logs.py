@@ -17,9 +17,9 @@ from executor import dispatch, engine, logcontext, recovery
 from executor.models import Agent, Run
 from executor.states import State
 from executor.tools.base import FailureClass
-from tests.conftest import ApiClient
-from tests.executor import tooling
-from tests.executor.tooling import LookupTool, post
+from tests.support import tooling
+from tests.support.api import ApiClient
+from tests.support.tooling import LookupTool, post
 
 pytestmark = pytest.mark.django_db
 

@@ -11,7 +11,7 @@ import pytest
 from executor import mcp, services
 from executor.models import Agent, Run, RunStatus, Step
 from executor.states import State
-from tests.executor.factories import step_in
+from tests.support.factories import step_in
 
 SECRET = "sk-live-0123456789abcdef"
 

@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from executor import dispatch, engine, recovery, services
 from executor.models import Agent, Run, RunStatus, Step
 from executor.states import State
-from tests.executor import tooling
-from tests.executor.factories import step_in
+from tests.support import tooling
+from tests.support.factories import step_in
 
 pytestmark = pytest.mark.django_db
 

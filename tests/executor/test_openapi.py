@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from openapi_spec_validator import validate
 
-from tests.conftest import ApiClient
+from tests.support.api import ApiClient
 
 API = "/api/v1"
 # Every operation of API.md's table.

@@ -45,7 +45,7 @@ from executor.tools.base import (
     register,
     unregister,
 )
-from tests.conftest import ApiClient
+from tests.support.api import ApiClient
 
 pytestmark = pytest.mark.django_db
 

@@ -11,11 +11,6 @@ from django.db.models import F
 from executor import engine, selectors, services, transitions
 from executor.models import Agent, Run, Step
 from executor.states import State
-from tests.executor.test_ticketdesk import (  # noqa: F401 - fixtures
-    desk,
-    desk_process,
-    desk_settings,
-)
 
 
 def post(agent: Agent, run: Run, key: str, tool: str = "echo", **body: Any) -> Step:

@@ -17,8 +17,8 @@ from executor import dispatch, engine, services
 from executor.models import Agent, Phase, Run, Step
 from executor.states import State
 from executor.tools.base import FailureClass, Lookup, LookupOutcome, RetryPolicy, ToolError
-from tests.executor import tooling
-from tests.executor.tooling import (
+from tests.support import tooling
+from tests.support.tooling import (
     DAY,
     KeyedTool,
     LookupTool,

@@ -17,8 +17,8 @@ import pytest
 from django.conf import settings
 
 from executor import services
-from tests.conftest import AgentAuth
-from tests.executor.webserver import web_server
+from tests.support.api import AgentAuth
+from tests.support.webserver import web_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 

@@ -13,9 +13,9 @@ from executor import dispatch, engine, recovery, services, sweeper, transitions
 from executor.models import Agent, Run, Step, SweeperLease
 from executor.states import State
 from executor.tools.base import FailureClass, Lookup, LookupOutcome, unregister
-from tests.executor import tooling
-from tests.executor.factories import step_in
-from tests.executor.tooling import LookupTool, WriteTool, expire_lease, post, reload
+from tests.support import tooling
+from tests.support.factories import step_in
+from tests.support.tooling import LookupTool, WriteTool, expire_lease, post, reload
 
 pytestmark = pytest.mark.django_db
 

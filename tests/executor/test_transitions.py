@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from executor.models import Event, Run, Step
 from executor.states import ALLOWED, LEASED, TERMINAL, State
 from executor.transitions import IllegalTransition, StaleStep, event_hash, move
-from tests.executor.factories import (
+from tests.support.factories import (
     WORKER,
     advance,
     chain_problems,

@@ -17,9 +17,9 @@ from executor.api import long_polls_held
 from executor.drill.processes import wait_until
 from executor.models import Run, Step
 from executor.states import State
-from tests.conftest import AgentAuth
-from tests.executor.factories import new_step
-from tests.executor.webserver import WebServer, web_server
+from tests.support.api import AgentAuth
+from tests.support.factories import new_step
+from tests.support.webserver import WebServer, web_server
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -13,7 +13,7 @@ from django.db import connection
 from executor import services
 from executor.models import Agent, Event, Phase, Run, Step
 from executor.states import State
-from tests.recovery.conftest import STALL_MARKER, STALL_SECONDS, Cluster, Stall
+from tests.support.cluster import STALL_MARKER, STALL_SECONDS, Cluster, Stall
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -14,8 +14,8 @@ import pytest
 from executor import faults, services
 from executor.models import Phase, Run, Step
 from executor.states import State
-from tests.recovery.conftest import Cluster, Stall
-from tests.recovery.processes import tcp_connected
+from tests.support.cluster import Cluster, Stall
+from tests.support.processes import tcp_connected
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

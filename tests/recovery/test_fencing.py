@@ -11,8 +11,8 @@ import pytest
 
 from executor.models import Attempt, Phase, Step
 from executor.states import State
-from tests.recovery.conftest import Cluster
-from tests.recovery.processes import Worker, tcp_connected
+from tests.support.cluster import Cluster
+from tests.support.processes import Worker, tcp_connected
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

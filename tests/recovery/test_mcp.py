@@ -22,9 +22,9 @@ from mcp_types import CallToolResult
 from executor import mcp, services
 from executor.models import Agent, Step
 from executor.states import State
-from tests.conftest import AgentAuth
-from tests.executor.webserver import WebServer
-from tests.recovery.conftest import Cluster, Stall
+from tests.support.api import AgentAuth
+from tests.support.cluster import Cluster, Stall
+from tests.support.webserver import WebServer
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

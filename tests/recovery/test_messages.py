@@ -16,8 +16,8 @@ import pytest
 from executor import dispatch, tasks
 from executor.models import Phase, Step
 from executor.states import State
-from tests.recovery.conftest import Cluster
-from tests.recovery.processes import Worker
+from tests.support.cluster import Cluster
+from tests.support.processes import Worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -23,7 +23,7 @@ from executor.models import Agent, Attempt, Phase, Run, Step
 from executor.states import State
 from executor.tools import http as http_tools
 from executor.tools.base import unregister
-from tests.recovery.conftest import Cluster
+from tests.support.cluster import Cluster
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -16,7 +16,7 @@ from celery import Celery
 from executor import dispatch
 from executor.models import Step
 from executor.states import State
-from tests.recovery.conftest import Cluster
+from tests.support.cluster import Cluster
 
 AMQP_URL = os.environ.get("STEPWARD_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672//")
 

@@ -18,8 +18,8 @@ from executor.drill.invariants import FINAL_STATES
 from executor.ledger import verify_chain
 from executor.models import OPEN_PHASES, Phase, Step
 from executor.states import State
-from tests.recovery.conftest import Cluster, is_settled
-from tests.recovery.processes import POLL_SECONDS, Worker
+from tests.support.cluster import Cluster, is_settled
+from tests.support.processes import POLL_SECONDS, Worker
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 

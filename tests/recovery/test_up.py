@@ -25,8 +25,8 @@ from executor import selectors
 from executor.drill.config import current_database_url
 from executor.models import Run, RunStatus, Step, Workspace
 from executor.states import State
-from tests.recovery.conftest import broker_env
-from tests.recovery.processes import describe_ledger, wait_until
+from tests.support.cluster import broker_env
+from tests.support.processes import describe_ledger, wait_until
 
 MANAGE = str(settings.BASE_DIR / "manage.py")
 # Refusing a busy port happens before anything starts: this only bounds a broken test.
