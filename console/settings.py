@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
@@ -248,8 +249,23 @@ CACHES = {
     )
 }
 
-EMAIL_BACKEND = os.environ.get("EMAIL_BACKEND", "django.core.mail.backends.filebased.EmailBackend")
-EMAIL_FILE_PATH = os.environ.get("EMAIL_FILE_PATH", str(VAR_DIR / "mail"))
+# Where `email.send` delivers (Django 6.1's MAILERS): by default a file per message under
+# var/mail; EMAIL_BACKEND=django.core.mail.backends.smtp.EmailBackend with EMAIL_HOST,
+# EMAIL_PORT, EMAIL_HOST_USER, EMAIL_HOST_PASSWORD and EMAIL_USE_TLS sends through SMTP.
+_MAIL_BACKEND = os.environ.get("EMAIL_BACKEND", "django.core.mail.backends.filebased.EmailBackend")
+_MAIL_OPTIONS: dict[str, Any] = {}
+if _MAIL_BACKEND.endswith("filebased.EmailBackend"):
+    _MAIL_OPTIONS["file_path"] = os.environ.get("EMAIL_FILE_PATH", str(VAR_DIR / "mail"))
+elif _MAIL_BACKEND.endswith("smtp.EmailBackend"):
+    _MAIL_OPTIONS.update(
+        host=os.environ.get("EMAIL_HOST", "localhost"),
+        port=env_int("EMAIL_PORT", 25),
+        username=os.environ.get("EMAIL_HOST_USER", ""),
+        password=os.environ.get("EMAIL_HOST_PASSWORD", ""),
+        use_tls=env_bool("EMAIL_USE_TLS", False),
+        timeout=env_int("EMAIL_TIMEOUT", 10),
+    )
+MAILERS = {"default": {"BACKEND": _MAIL_BACKEND, "OPTIONS": _MAIL_OPTIONS}}
 DEFAULT_FROM_EMAIL = os.environ.get("DEFAULT_FROM_EMAIL", "stepward@localhost")
 
 # --- the agents' API -------------------------------------------------------------------
