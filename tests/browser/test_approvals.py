@@ -71,7 +71,9 @@ def set_policy_in_admin(page: Page, base_url: str, *, workspace: str, tool: str)
     choose_in_autocomplete(page, "tool", tool)
     page.get_by_label("Approval").select_option("always")
     page.get_by_role("button", name="Save", exact=True).click()
-    expect(page.locator(".messagelist")).to_contain_text("was added successfully")
+    expect(page.locator(".messagelist")).to_contain_text(
+        f"{tool} in {workspace}: always” was added successfully"
+    )
 
 
 # --- 1. an admin's policy, an agent's step, a reviewer's approval ---------------------------
@@ -347,6 +349,7 @@ def test_screenshots_of_a_step_awaiting_approval_and_the_admin_policy_page(
 
     sign_in(page.context, owner, live_server.url)
     open_page(page, live_server.url, f"/admin/executor/toolpolicy/{policy.pk}/change/")
+    expect(page.locator("#content")).to_contain_text("email.send in acme: always")
     expect(page.locator("#select2-id_tool-container")).to_contain_text("email.send")
     expect(page.get_by_label("Approval")).to_have_value("always")
     page.screenshot(path=out / "admin-policy.png", full_page=True)

@@ -56,6 +56,12 @@ def test_email_send_is_irreversible_and_waits_for_a_person_by_default(
     assert listed["echo"]["requires_approval"] is False
 
 
+def test_a_policy_is_named_by_its_tool_name_workspace_and_rule(workspace: Workspace) -> None:
+    policy = services.tool_policy_set(workspace=workspace, tool="test.pure", approval="always")
+
+    assert str(policy) == "test.pure in acme: always"
+
+
 def test_always_makes_every_call_of_the_tool_wait_in_that_workspace_only(
     agent: Agent, run: Run, workspace: Workspace, other_agent_auth: Any
 ) -> None:
