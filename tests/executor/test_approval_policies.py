@@ -224,9 +224,17 @@ def test_an_external_id_of_the_wrong_form_is_refused_naming_the_form(
     monkeypatch.setattr(LookupTool, "external_id_pattern", r"T-[0-9]+")
     monkeypatch.setattr(LookupTool, "external_id_example", "T-42")
 
-    with pytest.raises(services.Invalid, match=r"expected an id matching T-\[0-9\]\+, e.g. T-42"):
+    with pytest.raises(
+        services.Invalid, match=r"expected an id matching T-\[0-9\]\+, e.g. T-42"
+    ) as refused:
         resolve(unknown, reviewer, "R1-found")
 
+    # The field's own error names the form too (the console shows it under the field).
+    assert refused.value.details == {
+        "external_id": ["expected an id matching T-[0-9]+, e.g. T-42"],
+        "expected": "an id matching T-[0-9]+, e.g. T-42",
+        "given": "R1-found",
+    }
     assert reload(unknown).state == State.UNKNOWN
 
 
