@@ -356,6 +356,7 @@ def _offers(
     offers = []
     for decision in applying:
         permission = decision.permission(step)
+        refused = _refused(request.user, decision, step, permission)
         form = bound if bound is not None and failed == decision.name else None
         offers.append(
             Offer(
@@ -365,7 +366,7 @@ def _offers(
                 button=decision.button_for(step),
                 url=reverse("step_decide", args=[step.pk, decision.name]),
                 permission=permission,
-                refused=_refused(request.user, decision, step, permission),
+                refused=refused,
                 form=form
                 or _form_class(decision)(
                     initial={"version": step.version}, auto_id=f"{decision.name}-%s"
@@ -373,7 +374,8 @@ def _offers(
                 fields=decision.fields,
                 tone=decision.tone,
                 help=decision.help,
-                error=error if failed == decision.name else "",
+                # A refused decision shows no form to carry its error: the page's top does.
+                error=error if failed == decision.name and not refused else "",
             )
         )
     return offers, notes

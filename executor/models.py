@@ -220,7 +220,8 @@ class ToolPolicy(models.Model):
         ]
 
     def __str__(self) -> str:
-        return f"{self.tool_id} in {self.workspace}: {self.approval}"
+        # The tool by name (its key is a number), as admin's titles and messages show it.
+        return f"{self.tool.name} in {self.workspace}: {self.approval}"
 
     def save(self, *args: Any, **kwargs: Any) -> None:
         self.encoded = self.policy().encoded()

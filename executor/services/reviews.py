@@ -146,7 +146,12 @@ def check_external_id(step: Step, external_id: str) -> None:
         raise Invalid(
             f"{external_id!r} is not an external id of {tool.name}: "
             f"expected {tool.external_id_form()}",
-            {"external_id": [external_id], "expected": tool.external_id_form()},
+            # Under the field, a person reads what it should have been.
+            {
+                "external_id": [f"expected {tool.external_id_form()}"],
+                "expected": tool.external_id_form(),
+                "given": external_id,
+            },
         )
     if not tool.has_lookup():
         return

@@ -19,13 +19,22 @@ from django.conf import settings as django_settings
 from django.contrib.auth.models import User
 from django.test import Client
 from guardian.shortcuts import assign_perm, remove_perm
-from playwright.sync_api import BrowserContext, Page, expect
+from playwright.sync_api import BrowserContext, Locator, Page, expect
 
 from console.celery import app as celery_app
 from executor import dispatch, engine, services
 from executor.drill.config import current_database_url
 from executor.drill.processes import DeskProcess
-from executor.models import Agent, ApprovalRule, Effect, Idempotency, Run, Step, Workspace
+from executor.models import (
+    Agent,
+    ApprovalRule,
+    Effect,
+    Event,
+    Idempotency,
+    Run,
+    Step,
+    Workspace,
+)
 from executor.models import Tool as ToolRow
 from executor.states import State
 from executor.tools.base import (
@@ -109,6 +118,58 @@ def wait_until[T](
     return processes.wait_until(
         probe, seconds=DEADLINE_SECONDS, what=what, diagnose=diagnose, tick=POLL_SECONDS
     )
+
+
+# --- pages ----------------------------------------------------------------------------------
+
+# Where STEPWARD_SCREENSHOTS=1 writes the README's screenshots.
+DOCS_DIR = Path(__file__).resolve().parents[2] / "docs"
+
+
+def open_page(page: Page, base_url: str, path: str) -> None:
+    response = page.goto(base_url + path)
+    assert response is not None, path
+    assert response.status == 200, (path, response.status)
+
+
+def inbox_row(page: Page, step: Step) -> Locator:
+    return page.locator(f'[data-testid="inbox-row"][data-step="{step.pk}"]')
+
+
+def decide(
+    page: Page, form: str, button: str, reason: str, fields: dict[str, str] | None = None
+) -> None:
+    """Fills one decision form on the step page by its labels and submits it."""
+    decision = page.get_by_test_id(form)
+    for label, value in (fields or {}).items():
+        decision.get_by_label(label).fill(value)
+    decision.get_by_label("Reason").fill(reason)
+    decision.get_by_role("button", name=button).click()
+
+
+def events_by(step: Step, actor: str) -> list[Event]:
+    return list(Event.objects.filter(step_id=step.pk, actor=actor).order_by("seq"))
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    header = path.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    return int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")
+
+
+def hand_made_post(page: Page, path: str, data: dict[str, str]) -> tuple[int, str]:
+    """A POST made from the signed-in page's own script, past whatever its forms offer:
+    the session's cookie and CSRF token, any URL and fields. Returns status and body."""
+    answer: list[Any] = page.evaluate(
+        """async ([url, fields]) => {
+            const token = JSON.parse(document.body.getAttribute("hx-headers"))["X-CSRFToken"];
+            const response = await fetch(url, {method: "POST", body: new URLSearchParams(fields),
+                                               headers: {"X-CSRFToken": token}});
+            return [response.status, await response.text()];
+        }""",
+        [path, data],
+    )
+    return int(answer[0]), str(answer[1])
 
 
 # --- signing in ---------------------------------------------------------------------------

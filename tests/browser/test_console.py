@@ -19,19 +19,26 @@ import pytest
 from django.contrib.auth.models import User
 from django.contrib.sessions.models import Session
 from django.utils import timezone
-from playwright.sync_api import Browser, Locator, Page, expect
+from playwright.sync_api import Browser, Page, expect
 
 from executor import engine, faults, recovery, selectors, services
 from executor.models import Agent, Approval, Attempt, Event, Phase, Run, RunStatus, Step
 from executor.states import State
 from tests.browser.conftest import (
+    DOCS_DIR,
     VIEWPORT,
     Desk,
     WorkerProcess,
     blocked_step,
     dead_letter,
+    decide,
+    events_by,
     execute,
     fresh,
+    hand_made_post,
+    inbox_row,
+    open_page,
+    png_size,
     post,
     sign_in,
     wait_until,
@@ -39,36 +46,10 @@ from tests.browser.conftest import (
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
-DOCS_DIR = Path(__file__).resolve().parents[2] / "docs"
 TICKET = {"title": "Printer on fire", "body": "Third floor, room 3.14: smoke from the tray."}
 
 
 # --- helpers ----------------------------------------------------------------------------
-
-
-def open_page(page: Page, base_url: str, path: str) -> None:
-    response = page.goto(base_url + path)
-    assert response is not None, path
-    assert response.status == 200, (path, response.status)
-
-
-def inbox_row(page: Page, step: Step) -> Locator:
-    return page.locator(f'[data-testid="inbox-row"][data-step="{step.pk}"]')
-
-
-def decide(
-    page: Page, form: str, button: str, reason: str, fields: dict[str, str] | None = None
-) -> None:
-    """Fills one decision form on the step page by its labels and submits it."""
-    decision = page.get_by_test_id(form)
-    for label, value in (fields or {}).items():
-        decision.get_by_label(label).fill(value)
-    decision.get_by_label("Reason").fill(reason)
-    decision.get_by_role("button", name=button).click()
-
-
-def events_by(step: Step, actor: str) -> list[Event]:
-    return list(Event.objects.filter(step_id=step.pk, actor=actor).order_by("seq"))
 
 
 def sessions_of(user: User) -> list[Session]:
@@ -77,12 +58,6 @@ def sessions_of(user: User) -> list[Session]:
         for session in Session.objects.filter(expire_date__gt=timezone.now())
         if session.get_decoded().get("_auth_user_id") == str(user.pk)
     ]
-
-
-def png_size(path: Path) -> tuple[int, int]:
-    header = path.read_bytes()[:24]
-    assert header[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
-    return int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")
 
 
 # --- 1. signing in ---------------------------------------------------------------------
@@ -379,15 +354,10 @@ def test_an_outsider_gets_404_for_another_workspaces_step_and_an_empty_inbox(
 
     # Even a hand-made request from charlie's signed-in page finds nothing to approve.
     open_page(page, live_server.url, "/")
-    status = page.evaluate(
-        """async ([url, version]) => {
-            const token = JSON.parse(document.body.getAttribute("hx-headers"))["X-CSRFToken"];
-            const body = new URLSearchParams({version: version, reason: "let me"});
-            const response = await fetch(url, {method: "POST", body: body,
-                                               headers: {"X-CSRFToken": token}});
-            return response.status;
-        }""",
-        [f"/steps/{step.pk}/decide/approve/", str(step.version)],
+    status, _ = hand_made_post(
+        page,
+        f"/steps/{step.pk}/decide/approve/",
+        {"version": str(step.version), "reason": "let me"},
     )
     assert status == 404
 

@@ -13,7 +13,7 @@ from django.test import Client
 from django.urls import reverse
 
 from executor import services
-from executor.models import Agent, Run, Step, Workspace
+from executor.models import Agent, Approval, Run, Step, Workspace
 from executor.states import State
 from tests.support.console import (
     blocked,
@@ -120,6 +120,24 @@ def test_a_decision_without_the_permission_is_refused_with_403(
         response = case.post(dave, step)
     assert response.status_code == 403
     assert f"You need the {case.permission} permission on acme" in read(response).text
+
+
+def test_approving_ones_own_compensation_request_is_refused_with_403_and_an_alert_saying_why(
+    bob: Client, reviewer: User, agent: Agent, run: Run
+) -> None:
+    """Four eyes holds at the URL too; the page that answers says why in its alert, not
+    only on the card that offers no form (a reviewer posting from a stale page sees it)."""
+    comp = compensation(agent, run, reviewer)
+    with unchanged(comp):
+        response = bob.post(
+            decide(comp, "approve"), {"version": comp.version, "reason": "mine"}, **htmx("step")
+        )
+    assert response.status_code == 403
+    page = read(response)
+    assert {"decision-error", "decision-approve-unavailable"} <= page.testids()
+    # The service's words (lower case) are the alert's; the card's start with a capital.
+    assert "you requested this step yourself: another reviewer must approve it" in page.text
+    assert not Approval.objects.filter(step_id=comp.pk).exists()
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)

@@ -56,6 +56,12 @@ def test_email_send_is_irreversible_and_waits_for_a_person_by_default(
     assert listed["echo"]["requires_approval"] is False
 
 
+def test_a_policy_is_named_by_its_tool_name_workspace_and_rule(workspace: Workspace) -> None:
+    policy = services.tool_policy_set(workspace=workspace, tool="test.pure", approval="always")
+
+    assert str(policy) == "test.pure in acme: always"
+
+
 def test_always_makes_every_call_of_the_tool_wait_in_that_workspace_only(
     agent: Agent, run: Run, workspace: Workspace, other_agent_auth: Any
 ) -> None:
@@ -218,9 +224,17 @@ def test_an_external_id_of_the_wrong_form_is_refused_naming_the_form(
     monkeypatch.setattr(LookupTool, "external_id_pattern", r"T-[0-9]+")
     monkeypatch.setattr(LookupTool, "external_id_example", "T-42")
 
-    with pytest.raises(services.Invalid, match=r"expected an id matching T-\[0-9\]\+, e.g. T-42"):
+    with pytest.raises(
+        services.Invalid, match=r"expected an id matching T-\[0-9\]\+, e.g. T-42"
+    ) as refused:
         resolve(unknown, reviewer, "R1-found")
 
+    # The field's own error names the form too (the console shows it under the field).
+    assert refused.value.details == {
+        "external_id": ["expected an id matching T-[0-9]+, e.g. T-42"],
+        "expected": "an id matching T-[0-9]+, e.g. T-42",
+        "given": "R1-found",
+    }
     assert reload(unknown).state == State.UNKNOWN
 
 
