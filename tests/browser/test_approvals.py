@@ -26,7 +26,8 @@ from executor import engine, selectors, services
 from executor.client import Stepward
 from executor.models import Agent, Approval, Event, Run, Step, ToolPolicy
 from executor.states import State
-from tests.browser.conftest import (
+from tests.support.api import AgentAuth
+from tests.support.browser import (
     DOCS_DIR,
     VIEWPORT,
     WORKER,
@@ -42,7 +43,6 @@ from tests.browser.conftest import (
     post,
     sign_in,
 )
-from tests.support.api import AgentAuth
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 

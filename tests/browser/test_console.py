@@ -24,7 +24,7 @@ from playwright.sync_api import Browser, Page, expect
 from executor import engine, faults, recovery, selectors, services
 from executor.models import Agent, Approval, Attempt, Event, Phase, Run, RunStatus, Step
 from executor.states import State
-from tests.browser.conftest import (
+from tests.support.browser import (
     DOCS_DIR,
     VIEWPORT,
     Desk,

@@ -12,7 +12,7 @@ from playwright.sync_api import ConsoleMessage, Page, Response, expect
 
 from executor.models import Agent, Run
 from executor.states import State
-from tests.browser.conftest import blocked_step, dead_letter, fresh
+from tests.support.browser import blocked_step, dead_letter, fresh
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
