@@ -22,7 +22,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.utils import timezone
 
-from executor import faults
+from executor import dispatch, faults, services
 from executor.drill import broken
 from executor.drill import tools as file_tools
 from executor.drill.report import as_record
@@ -427,3 +427,20 @@ def test_the_drill_points_a_files_urls_at_its_own_desk() -> None:
     assert moved[0]["lookup_url"] == "http://127.0.0.1:40123/tickets?client_ref={operation_id}"
     assert moved[1]["url"] == "http://127.0.0.1:40123/tickets/{ticket_id}/close"
     assert tables[0]["url"] == "http://127.0.0.1:8765/tickets"  # the file's own, untouched
+
+
+@pytest.mark.django_db
+def test_the_drill_finds_a_secrets_value_wherever_the_ledger_keeps_it(agent: Any, run: Any) -> None:
+    with dispatch.publishing(dispatch.dropping_publisher):
+        services.step_post(
+            agent=agent, run=run, key="s", tool_name="echo", input={"note": "drill-secret-abc"}
+        )
+
+    leaks = file_tools.secret_leaks(
+        run, {"DESK_TOKEN": "drill-secret-abc", "OTHER": "drill-secret-xyz"}
+    )
+
+    assert leaks
+    assert all(leak.startswith("§15 the value of ${DESK_TOKEN} appears") for leak in leaks)
+    assert any(leak.endswith(": step s") for leak in leaks)
+    assert file_tools.secret_leaks(run, {"OTHER": "drill-secret-xyz"}) == []
