@@ -3,7 +3,7 @@ the ledger: `check_invariants` returns a Verdict that names every violation.
 
 What a step's tool is comes from the registry, not from a list of names: every write of
 the drill that is not a compensation opens a ticket at the drill's desk under its operation
-id (the built-in desk tools, and HTTP tools from a file pointed at that desk), and a tool
+id (the built-in desk tools, and HTTP tools from a file pointed at that desk), and a write
 declared `Idempotency.NONE` must not be submitted again without proof of no effect."""
 
 from __future__ import annotations
@@ -123,7 +123,9 @@ def check_invariants(
                 "did cannot be checked"
             )
             continue
-        unkeyed = tool.idempotency == Idempotency.NONE
+        # A pure or read call may be repeated; a write the other side cannot deduplicate
+        # may not, unless its first attempt was shown to have had no effect.
+        unkeyed = tool.effect in WRITES and tool.idempotency == Idempotency.NONE
         violations.extend(_repeated_work(step, attempts[step.pk], events[step.pk], unkeyed=unkeyed))
         if step.tool_id == "echo" and step.state == State.COMPLETED and step.result != step.input:
             violations.append(f"§13.2 {_label(step)} returned {step.result!r}, not its input")
