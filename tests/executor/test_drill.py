@@ -43,7 +43,11 @@ def _no_broker_messages() -> None:
 
 def drill(**options: Any) -> tuple[DrillReport, str]:
     out = StringIO()
-    call_command("drill", seed=SEED, timeout=300, stdout=out, **options)
+    try:
+        call_command("drill", seed=SEED, timeout=300, stdout=out, **options)
+    except CommandError as error:
+        # What failed is in the summary the drill printed: its violations and notes.
+        pytest.fail(f"{error}\n{out.getvalue()}")
     return DrillReport.objects.get(), out.getvalue()
 
 
