@@ -94,6 +94,11 @@ def read_tools_file(path: str, tools: str = "") -> ToolsFile:
                 "writes to its desk and checks their tickets"
             )
     for name in chosen:
+        if by_name.get(name, {}).get("approval") == "always":
+            problems.append(
+                f"--tools: {name} waits for a person to approve each call "
+                '(approval = "always"); the drill posts tools that run unattended'
+            )
         refusal = _input_refused(by_name.get(name, {}))
         if refusal:
             problems.append(

@@ -384,6 +384,11 @@ def test_drill_refuses_tools_without_a_file() -> None:
             "tool desk.open_ticket: field 'extra': unknown field",
         ),
         (
+            'approval = "never"\n',
+            'approval = "always"\n',
+            "desk.open_ticket waits for a person to approve each call",
+        ),
+        (
             'required = ["title"]',
             'required = ["summary"]',
             "desk.open_ticket's input_schema refuses the drill's input",
