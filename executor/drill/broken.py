@@ -5,8 +5,10 @@ through `python -m executor.drill.broken <celery ...|manage.py command ...>` onl
 when asked to break something; that entry point installs the break and then runs the
 ordinary command. `EXECUTOR_BREAK=lookup` is honoured only with `EXECUTOR_ALLOW_FAULTS=1`.
 
-`lookup`: `ticketdesk.create`'s authoritative lookup always answers `not_found`, so an
-ambiguous submission is sent again and the desk gets a second ticket (DESIGN.md §7, §13.3).
+`lookup`: `ticketdesk.create`'s authoritative lookup always answers `not_found`, and so
+does the lookup of every HTTP tool that has one (`lookup_url`, e.g. from `drill
+--tools-file`), so an ambiguous submission is sent again and the desk gets a second ticket
+(DESIGN.md §7, §13.3).
 """
 
 from __future__ import annotations
@@ -56,6 +58,16 @@ def _install_lying_lookup() -> None:
 
     unregister(TicketCreate.name)
     register(LyingLookupTicketCreate)
+
+    from executor.tools.http import HttpTool
+
+    def lying_lookup(self: HttpTool, call: Invocation) -> Lookup:
+        return Lookup(LookupOutcome.NOT_FOUND, evidence={"broken": "EXECUTOR_BREAK=lookup"})
+
+    # Every HTTP tool class is made from HttpTool when the registry refreshes (after this);
+    # one with a `lookup_url` inherits this lookup, so its declarations and policy version
+    # stay the same.
+    HttpTool.lookup = lying_lookup  # type: ignore[method-assign]
 
 
 def main(argv: list[str]) -> None:

@@ -26,8 +26,8 @@ DESK_FAULT_SETTINGS = {
 }
 MAX_DESK_LATENCY_MS = 10_000
 
+# The built-in tools every drill posts to; `--tools-file` adds HTTP tools to them.
 TOOLS = ("echo", "ticketdesk.create", "ticketdesk.create_keyed")
-DESK_TOOLS = frozenset({"ticketdesk.create", "ticketdesk.create_keyed"})
 
 
 class DrillError(Exception):
@@ -98,6 +98,10 @@ class DrillConfig:
     retry_after: int = 1
     # A deliberately broken engine (executor/drill/broken.py); "" for the real one.
     break_engine: str = ""
+    # A TOML file of HTTP tools (`--tools-file`), pointed at the drill's desk and posted to
+    # as well, and which of its tools (`--tools`, comma-separated; "" for its writes).
+    tools_file: str = ""
+    tools: str = ""
 
     def validate(self) -> None:
         if self.steps < 1:
@@ -114,6 +118,8 @@ class DrillConfig:
             raise DrillError("--compensate must be in [0, 1]")
         if self.break_engine and self.break_engine not in BREAKS:
             raise DrillError(f"unknown break {self.break_engine!r}")
+        if self.tools and not self.tools_file:
+            raise DrillError("--tools names tools of --tools-file FILE: give the file too")
 
     def worker_fault_spec(self) -> str:
         """The worker faults as EXECUTOR_FAULTS spells them."""

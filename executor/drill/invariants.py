@@ -1,5 +1,10 @@
 """The invariants of DESIGN.md §13, checked after a drill against the desk's tickets and
-the ledger: `check_invariants` returns a Verdict that names every violation."""
+the ledger: `check_invariants` returns a Verdict that names every violation.
+
+What a step's tool is comes from the registry, not from a list of names: every write of
+the drill that is not a compensation opens a ticket at the drill's desk under its operation
+id (the built-in desk tools, and HTTP tools from a file pointed at that desk), and a write
+declared `Idempotency.NONE` must not be submitted again without proof of no effect."""
 
 from __future__ import annotations
 
@@ -11,15 +16,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from executor.drill.config import DESK_TOOLS
 from executor.ledger import verify_chain
 from executor.models import OPEN_PHASES, Approval, Attempt, Event, Phase, Run, Step
 from executor.states import LEASED, NEEDS_REVIEW, State
-from executor.tools.base import RETRYABLE, get_tool
-
-# The one desk tool that the desk does not deduplicate: its second submission is a second
-# ticket unless something proved the first had no effect.
-UNKEYED_DESK_TOOL = "ticketdesk.create"
+from executor.tools.base import RETRYABLE, Effect, Idempotency, Tool, find_tool, get_tool
 
 # Nothing more happens to a step in these states without a person.
 FINAL_STATES = frozenset(
@@ -35,6 +35,10 @@ FINAL_STATES = frozenset(
 )
 # States the ledger uses to say "no effect happened" (or "none was confirmed").
 NO_EFFECT_STATES = frozenset({State.FAILED, State.DEAD, State.CANCELLED, State.REJECTED})
+# The same for a keyed tool, less `dead`: retries of an ambiguous keyed call may run out
+# after the first one took effect.
+KEYED_NO_EFFECT_STATES = NO_EFFECT_STATES - {State.DEAD}
+WRITES = frozenset({Effect.WRITE, Effect.DESTRUCTIVE})
 
 
 def is_settled(state: str, not_before: datetime | None) -> bool:
@@ -60,6 +64,12 @@ class Verdict:
 
 def _label(step: Step) -> str:
     return f"step {step.key} ({step.tool_id}, {step.state}, {step.pk})"
+
+
+def opens_ticket(step: Step, tool: Tool) -> bool:
+    """Whether the step's effect is a ticket at the drill's desk under its operation id:
+    a write that is not a compensation (those close the ticket of the step they undo)."""
+    return tool.effect in WRITES and step.compensates_id is None
 
 
 def check_invariants(
@@ -106,10 +116,20 @@ def check_invariants(
     # 2 and 3. No confirmed work repeated, no non-idempotent write submitted twice.
     operations = {str(step.operation_id): step for step in steps.values()}
     for step in steps.values():
-        violations.extend(_repeated_work(step, attempts[step.pk], events[step.pk]))
+        tool = find_tool(step.tool_id)
+        if tool is None:
+            violations.append(
+                f"§13.2 {_label(step)}: no tool of that name is registered here, so what it "
+                "did cannot be checked"
+            )
+            continue
+        # A pure or read call may be repeated; a write the other side cannot deduplicate
+        # may not, unless its first attempt was shown to have had no effect.
+        unkeyed = tool.effect in WRITES and tool.idempotency == Idempotency.NONE
+        violations.extend(_repeated_work(step, attempts[step.pk], events[step.pk], unkeyed=unkeyed))
         if step.tool_id == "echo" and step.state == State.COMPLETED and step.result != step.input:
             violations.append(f"§13.2 {_label(step)} returned {step.result!r}, not its input")
-        if step.tool_id not in DESK_TOOLS:
+        if not opens_ticket(step, tool):
             continue
         found = tickets_by_ref.get(str(step.operation_id), [])
         ids = [int(ticket["ticket_id"]) for ticket in found]
@@ -127,7 +147,8 @@ def check_invariants(
             )
         if step.state == State.COMPENSATED and any(t["status"] != "closed" for t in found):
             violations.append(f"§11 {_label(step)} is compensated but its ticket is open")
-        if step.tool_id == UNKEYED_DESK_TOOL and step.state in NO_EFFECT_STATES and found:
+        no_effect = NO_EFFECT_STATES if unkeyed else KEYED_NO_EFFECT_STATES
+        if step.state in no_effect and found:
             violations.append(
                 f"§13.2 {_label(step)}: the ledger records no effect, the desk has tickets {ids}"
             )
@@ -179,9 +200,11 @@ def _as_int(text: str) -> int | None:
         return None
 
 
-def _repeated_work(step: Step, attempts: list[Attempt], events: list[Event]) -> list[str]:
+def _repeated_work(
+    step: Step, attempts: list[Attempt], events: list[Event], *, unkeyed: bool
+) -> list[str]:
     """A stored response is never followed by another submission (§13.2), and an
-    unkeyed desk write is submitted again only after evidence that it had no effect (§13.3).
+    unkeyed write is submitted again only after evidence that it had no effect (§13.3).
     """
     found: list[str] = []
     responded = [a for a in attempts if a.phase == Phase.RESPONDED]
@@ -196,13 +219,14 @@ def _repeated_work(step: Step, attempts: list[Attempt], events: list[Event]) -> 
                 f"§13.2 {_label(step)} was submitted again (attempts {later}) after attempt "
                 f"{first.number} stored its response"
             )
-    if step.tool_id != UNKEYED_DESK_TOOL:
+    if not unkeyed:
         return found
     sent = [a for a in attempts if a.submitted_at is not None]
     for before, after in itertools.pairwise(sent):
         assert before.submitted_at is not None
         assert after.submitted_at is not None
-        # The desk answers 503 and 429 before committing: a retryable class means no ticket.
+        # A retryable class means the call had no effect: the desk answers 503 and 429
+        # before committing (an unkeyed HTTP tool calls a 503 ambiguous, not retryable).
         if before.error_class in RETRYABLE:
             continue
         window = [e for e in events if before.submitted_at <= e.created_at <= after.submitted_at]

@@ -105,6 +105,13 @@ def summary_lines(report: DrillReport) -> list[str]:
         f"drill {report.pk} of {report.version}: {total} steps in "
         f"{report.elapsed_seconds:.0f}s on {report.parameters.get('database', '?')}, "
         f"broker {report.parameters.get('broker', '?')}",
+        f"  tools: {', '.join(report.parameters.get('tools', [])) or '?'}"
+        + (
+            f" (from {report.parameters['tools_file']}: "
+            f"{', '.join(report.parameters.get('file_tools', []))})"
+            if report.parameters.get("tools_file")
+            else ""
+        ),
         f"  states: {states or '(none)'}",
         f"  worker crashes at fault points: {hits} "
         f"(total {points.get('worker_crashes', 0)}); "

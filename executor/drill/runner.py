@@ -23,16 +23,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
 from executor import dispatch, faults, services
+from executor.drill import tools as file_tools
 from executor.drill.clients import DeskClient, Publisher
 from executor.drill.config import (
     DESK_FAULT_SETTINGS,
-    DESK_TOOLS,
     EMBEDDED_BROKER,
     TOOLS,
     DrillConfig,
@@ -42,7 +43,7 @@ from executor.drill.config import (
     publishing_broker,
     redact_url,
 )
-from executor.drill.invariants import Verdict, check_invariants, is_settled
+from executor.drill.invariants import WRITES, Verdict, check_invariants, is_settled
 from executor.drill.processes import (
     KILLED,
     TICK_SECONDS,
@@ -57,6 +58,7 @@ from executor.drill.processes import (
 from executor.drill.report import Progress, report_notes, tested_version
 from executor.models import Agent, Attempt, DrillReport, Run, RunStatus, Step
 from executor.states import LEASED, State
+from executor.tools.base import find_tool
 
 # The module that starts a child with a deliberately broken engine (--break).
 BROKEN_ENGINE = "executor.drill.broken"
@@ -91,6 +93,14 @@ class Drill:
     ) -> None:
         config.validate()
         self.config = config
+        # Read and checked before anything is written or started.
+        self.tools_file = (
+            file_tools.read_tools_file(config.tools_file, config.tools)
+            if config.tools_file
+            else None
+        )
+        # The tools the drill posts its steps to.
+        self.tools = [*TOOLS, *(self.tools_file.chosen if self.tools_file else [])]
         self.progress = Progress(write, interactive=interactive)
         self.rng = random.Random(config.seed)
         self.database_url = config.database_url or current_database_url()
@@ -122,7 +132,11 @@ class Drill:
         self.next_kill = float("inf")
         self.next_freeze = float("inf")
         self.posted: list[uuid.UUID] = []
-        self.to_compensate: set[uuid.UUID] = set()
+        self.step_tools: dict[uuid.UUID, str] = {}
+        # How many more completed steps of each tool a drill reviewer undoes, and how many
+        # it did (`--compensate` of each tool's steps, at least one when it is not 0).
+        self.compensation_quota: Counter[str] = Counter()
+        self.compensated: Counter[str] = Counter()
         self.compensation_requested: set[uuid.UUID] = set()
         self.run_record: Run | None = None
         self.agent: Agent | None = None
@@ -148,6 +162,8 @@ class Drill:
                     f"this database holds {live} open run(s) outside the drill workspace; "
                     "run drills on a database of their own (--database URL)"
                 )
+            if self.tools_file is not None:
+                file_tools.check_loadable(self.tools_file)
             self.started = time.monotonic()
             report = DrillReport.objects.create(
                 version=tested_version(),
@@ -173,6 +189,16 @@ class Drill:
             verdict = check_invariants(
                 run=self.run_record, posted=self.posted, tickets=self.desk.tickets()
             )
+            if self.tools_file is not None and self.tools_file.secrets:
+                leaks = file_tools.secret_leaks(self.run_record, self.tools_file.secrets)
+                verdict.violations.extend(leaks)
+                if not leaks:
+                    names = ", ".join(f"${{{name}}}" for name in self.tools_file.secrets)
+                    notes.append(
+                        f"secrets: the workers read {names} (a throwaway value); it appears "
+                        "nowhere in the ledger (inputs, results, attempts, events)"
+                    )
+            notes.extend(self.compensation_notes())
             desk_stats = self.desk.stats()
             if not quiet:
                 notes.append(
@@ -208,7 +234,15 @@ class Drill:
         return {
             "steps": config.steps,
             "workers": config.workers,
-            "tools": list(TOOLS),
+            "tools": list(self.tools),
+            **(
+                {
+                    "tools_file": str(self.tools_file.path),
+                    "file_tools": list(self.tools_file.chosen),
+                }
+                if self.tools_file
+                else {}
+            ),
             "kill_every_seconds": config.kill_every,
             "freeze_every_seconds": config.freeze_every,
             "seed": config.seed,
@@ -333,6 +367,13 @@ class Drill:
             env["STEPWARD_BROKER_DIR"] = str(self.broker_dir)
         if self.desk is not None:
             env["TICKETDESK_URL"] = self.desk.url
+            # The HTTP tools of --tools-file are pointed at the desk: they may call it.
+            env["EXECUTOR_HTTP_ALLOWED_HOSTS"] = ",".join(
+                [*settings.EXECUTOR_HTTP_ALLOWED_HOSTS, urlsplit(self.desk.url).netloc]
+            )
+        if self.tools_file is not None:
+            # Throwaway values, never the caller's own secrets.
+            env.update(self.tools_file.secrets)
         return env
 
     def start_processes(self) -> None:
@@ -350,6 +391,15 @@ class Drill:
         self.publisher = Publisher(
             *publishing_broker(self.broker_url, self.broker_dir), queue=self.queue
         )
+        if self.tools_file is not None:
+            loaded = file_tools.load(self.tools_file, self.desk.url)
+            assert self.agent is not None
+            services.agent_set_tools(agent=self.agent, tools=None)
+            changed = [*loaded.created, *loaded.updated]
+            self.progress.line(
+                f"drill: loaded the tools of {self.tools_file.path} at {self.desk.url}"
+                + (f" ({', '.join(changed)} new or changed)" if changed else "")
+            )
         env = self.child_env()
         sweep = command("sweep", "--loop", through=self.through)
         self.sweeper = Child("sweeper", sweep, env, self.tmp / "sweeper.log")
@@ -385,12 +435,13 @@ class Drill:
         assert self.run_record is not None
         assert self.publisher is not None
         assert self.agent is not None
-        plan = [TOOLS[number % len(TOOLS)] for number in range(self.config.steps)]
+        plan = [self.tools[number % len(self.tools)] for number in range(self.config.steps)]
         self.rng.shuffle(plan)
-        desk_numbers = [n for n, tool in enumerate(plan) if tool in DESK_TOOLS]
-        chosen = set(
-            self.rng.sample(desk_numbers, k=round(self.config.compensate * len(desk_numbers)))
-        )
+        if self.config.compensate:
+            for name, count in Counter(plan).items():
+                found = find_tool(name)
+                if found is not None and found.compensation:
+                    self.compensation_quota[name] = max(1, round(self.config.compensate * count))
         self.progress.line(
             f"drill: posting {len(plan)} steps for {self.config.workers} workers "
             f"(seed {self.config.seed}, logs in {self.tmp})"
@@ -400,7 +451,7 @@ class Drill:
                 {"drill": self.run_record.name, "number": number}
                 if tool == "echo"
                 else {"title": f"drill ticket {number}", "body": self.run_record.name}
-            )
+            )  # the shape of file_tools.DRILL_INPUT
             # This process's own Celery settings may point elsewhere: the step is announced
             # on the drill's broker below, explicitly.
             with dispatch.publishing(dispatch.dropping_publisher):
@@ -412,8 +463,7 @@ class Drill:
                     input=tool_input,
                 )
             self.posted.append(step.pk)
-            if number in chosen:
-                self.to_compensate.add(step.pk)
+            self.step_tools[step.pk] = tool
             if step.state == State.PENDING:
                 self.publisher.send(step.pk)
             self.tick()
@@ -504,12 +554,23 @@ class Drill:
         )
 
     def request_compensations(self, snapshot: Snapshot) -> int:
-        """A drill reviewer undoes the chosen desk steps that completed: requested by one
-        reviewer and approved by another, so that `ticketdesk.close` runs through the same
-        machinery."""
+        """A drill reviewer undoes completed steps of each tool that names a compensation,
+        up to its quota: requested by one reviewer and approved by another, so that
+        `ticketdesk.close` (or a file's close tool) runs through the same machinery.
+        Returns how many it asked for (or found moved meanwhile)."""
         assert self.publisher is not None
-        due = (self.to_compensate & snapshot.completed_ids) - self.compensation_requested
-        for step in Step.objects.filter(pk__in=due):
+        due = [
+            pk
+            for pk in self.posted
+            if pk in snapshot.completed_ids
+            and pk not in self.compensation_requested
+            and self.compensation_quota[self.step_tools[pk]] > 0
+        ]
+        asked = 0
+        for step in Step.objects.filter(pk__in=due).order_by("position"):
+            if self.compensation_quota[step.tool_id] <= 0:
+                continue
+            asked += 1
             try:
                 with dispatch.publishing(dispatch.dropping_publisher):
                     compensation = services.compensation_request(
@@ -529,10 +590,33 @@ class Drill:
             # Any other refusal (permission, input) is the drill's own mistake: it aborts
             # the drill, named in its notes, rather than leaving a step that never settles.
             self.compensation_requested.add(step.pk)
+            self.compensation_quota[step.tool_id] -= 1
+            self.compensated[step.tool_id] += 1
             compensation.refresh_from_db(fields=["state"])
             if compensation.state == State.PENDING:
                 self.publisher.send(compensation.pk)
-        return len(due)
+        return asked
+
+    def compensation_notes(self) -> list[str]:
+        """Which compensation tools the drill exercised, and which it did not, and why."""
+        notes = []
+        for name in dict.fromkeys(self.tools):
+            tool = find_tool(name)
+            if tool is None or tool.effect not in WRITES or not tool.compensation:
+                continue
+            done = self.compensated[name]
+            if done:
+                notes.append(
+                    f"compensation: {done} completed step(s) of {name} undone with "
+                    f"{tool.compensation} (asked by drill-reviewer, approved by drill-approver)"
+                )
+            else:
+                why = "--compensate is 0" if not self.config.compensate else "no step completed"
+                notes.append(
+                    f"compensation: {tool.compensation}, which undoes {name}, was not "
+                    f"exercised: {why}"
+                )
+        return notes
 
     def wait_quiet(self) -> bool:
         """Drives the chaos until every step has settled; False at the deadline."""

@@ -17,7 +17,9 @@ import os
 import re
 import threading
 import time
+import tomllib
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import quote, urlsplit
 
@@ -82,6 +84,29 @@ REQUIRED = ("name", "effect", "url")
 
 
 # --- the spec ---------------------------------------------------------------------------------
+
+
+class ToolFileError(ValueError):
+    """A TOML file of HTTP tools that cannot be read; the message names the file."""
+
+
+def read_tool_file(path: Path) -> list[dict[str, Any]]:
+    """The [[tool]] tables of a TOML file, unchecked (`spec_errors` checks each one)."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as error:
+        raise ToolFileError(f"{path}: {error.strerror or error}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise ToolFileError(f"{path}: not TOML: {error}") from None
+    unknown = sorted(set(data) - {"tool"})
+    if unknown:
+        raise ToolFileError(f"{path}: unknown table(s) {', '.join(unknown)}; expected [[tool]]")
+    tables = data.get("tool", [])
+    if not isinstance(tables, list) or not tables:
+        raise ToolFileError(f"{path}: no [[tool]] tables")
+    if not all(isinstance(table, dict) for table in tables):
+        raise ToolFileError(f"{path}: every tool must be a [[tool]] table")
+    return tables
 
 
 def render_env(template: str, *, secrets: set[str] | None = None) -> str:

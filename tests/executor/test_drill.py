@@ -10,6 +10,8 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import tomllib
+from collections.abc import Iterator
 from io import StringIO
 from pathlib import Path
 from typing import Any
@@ -20,12 +22,18 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.utils import timezone
 
-from executor import faults
+from executor import dispatch, faults, services
 from executor.drill import broken
+from executor.drill import tools as file_tools
 from executor.drill.report import as_record
-from executor.models import DrillReport, Step
+from executor.models import DrillReport, HttpToolSpec, Step
+from executor.tools import http as http_tools
+from executor.tools.base import unregister
 
 SEED = 20261130
+ROOT = Path(__file__).resolve().parents[2]
+DESK_TOOLS_FILE = ROOT / "examples" / "desk-tools.toml"
+FILE_TOOLS = ("desk.open_ticket", "desk.close_ticket", "desk.open_ticket_keyed")
 
 
 @pytest.fixture(autouse=True)
@@ -35,8 +43,12 @@ def _no_broker_messages() -> None:
 
 def drill(**options: Any) -> tuple[DrillReport, str]:
     out = StringIO()
-    # The timeout only decides when a stuck drill gives up; a loaded CI machine needs room.
-    call_command("drill", seed=SEED, stdout=out, **{"timeout": 480, **options})
+    try:
+        # The timeout only decides when a stuck drill gives up; a loaded CI machine needs room.
+        call_command("drill", seed=SEED, stdout=out, **{"timeout": 480, **options})
+    except CommandError as error:
+        # What failed is in the summary the drill printed: its violations and notes.
+        pytest.fail(f"{error}\n{out.getvalue()}")
     return DrillReport.objects.get(), out.getvalue()
 
 
@@ -45,6 +57,24 @@ def forget_logs(report: DrillReport) -> None:
     kept = re.search(r"process logs kept in (\S+)", report.notes)
     assert kept is not None, report.notes
     shutil.rmtree(kept.group(1))
+
+
+@pytest.fixture
+def forget_file_tools() -> Iterator[None]:
+    """The drill registers the file's HTTP tools in this process too: other tests must not
+    see them once this test's database is gone."""
+    yield
+    for name in FILE_TOOLS:
+        unregister(name)
+    http_tools._mine.clear()
+
+
+def tickets_at_desk_by_tool(report: DrillReport) -> dict[str, list[Step]]:
+    steps = Step.objects.filter(run_id=report.parameters["run_id"], compensates__isnull=True)
+    by_tool: dict[str, list[Step]] = {}
+    for step in steps:
+        by_tool.setdefault(step.tool_id, []).append(step)
+    return by_tool
 
 
 def failed_drill(**options: Any) -> tuple[DrillReport, str, str]:
@@ -228,3 +258,198 @@ def test_drill_refuses_a_database_with_live_runs_of_other_workspaces(run: Any) -
     with pytest.raises(CommandError, match="open run"):
         call_command("drill", "--steps", "4", "--workers", "1")
     assert not DrillReport.objects.exists()
+
+
+# --- HTTP tools from a file (--tools-file, --tools) ---------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_drill_with_the_http_tools_of_a_file_passes_under_crashes_and_desk_faults(
+    forget_file_tools: None,
+) -> None:
+    report, output = drill(
+        steps=35,
+        workers=2,
+        rates="before_invoke:0.1,after_submit:0.1,before_persist:0.1",
+        desk_faults="503:0.1,429:0.1,drop:0.1,latency:25",
+        kill_every=5,
+        freeze_every=8,
+        compensate=0.2,
+        tools_file=str(DESK_TOOLS_FILE),
+    )
+
+    assert report.passed, report.notes
+    assert "verdict: PASSED" in output
+    # The report names the tools used, the file's write tools beside the built-ins.
+    file_writes = ["desk.open_ticket", "desk.open_ticket_keyed"]
+    assert report.parameters["file_tools"] == file_writes
+    assert report.parameters["tools"] == [
+        "echo",
+        "ticketdesk.create",
+        "ticketdesk.create_keyed",
+        *file_writes,
+    ]
+    assert report.parameters["tools_file"] == str(DESK_TOOLS_FILE)
+    assert f"from {DESK_TOOLS_FILE}: desk.open_ticket, desk.open_ticket_keyed" in output
+    # Their steps really ran against the drill's desk, each with its one ticket, and the
+    # invariants looked at them: the drill's checks would have named any other count.
+    by_tool = tickets_at_desk_by_tool(report)
+    for name in file_writes:
+        done = [s for s in by_tool[name] if s.state in ("completed", "compensated")]
+        assert done, (name, [s.state for s in by_tool[name]])
+        assert all(s.external_id.isdigit() for s in done)
+    # The file's close tool undid some of them, through the reviewer path.
+    undone = Step.objects.filter(
+        run_id=report.parameters["run_id"], tool_id="desk.close_ticket", state="completed"
+    )
+    assert undone.exists(), report.notes
+    originals = set(undone.values_list("compensates__tool_id", "compensates__state"))
+    assert {tool for tool, _ in originals} <= set(file_writes)
+    assert {state for _, state in originals} == {"compensated"}
+    assert re.search(r"undone with desk\.close_ticket", report.notes), report.notes
+    # ${DESK_TOKEN} was a throwaway value the drill checked the ledger for.
+    assert "${DESK_TOKEN}" in report.notes
+    assert "appears nowhere in the ledger" in report.notes
+    assert report.interruption_points["worker_crashes"] >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_drill_with_a_file_tool_whose_lookup_lies_fails_and_names_its_duplicates(
+    forget_file_tools: None,
+) -> None:
+    # desk.open_ticket is not idempotent: a dropped answer makes it `unknown`, the broken
+    # lookup says "not found", and the step is sent again: a second ticket at the desk.
+    report, output, error = failed_drill(
+        steps=32,
+        workers=2,
+        rates="after_submit:0.1",
+        desk_faults="drop:0.5",
+        kill_every=0,
+        freeze_every=0,
+        compensate=0,
+        timeout=300,
+        break_engine="lookup",
+        tools_file=str(DESK_TOOLS_FILE),
+        tools="desk.open_ticket",
+    )
+
+    assert "FAILED" in error
+    assert "verdict: FAILED" in output
+    assert report.parameters["file_tools"] == ["desk.open_ticket"]
+    named = re.findall(r"§13\.3 duplicate: step \S+ \(desk\.open_ticket, ", report.notes)
+    assert named, report.notes
+    assert report.duplicates >= len(named)
+    forget_logs(report)
+
+
+def refused(**options: Any) -> str:
+    with pytest.raises(CommandError) as raised:
+        call_command("drill", steps=4, workers=1, stdout=StringIO(), **options)
+    assert not DrillReport.objects.exists()
+    assert not HttpToolSpec.objects.exists()
+    return str(raised.value)
+
+
+@pytest.mark.django_db
+def test_drill_refuses_a_tool_the_file_does_not_have_naming_it() -> None:
+    message = refused(tools_file=str(DESK_TOOLS_FILE), tools="desk.open_ticket,desk.nope")
+
+    assert "no tool named 'desk.nope'" in message
+    assert "desk.open_ticket, desk.close_ticket, desk.open_ticket_keyed" in message
+
+
+@pytest.mark.django_db
+def test_drill_refuses_to_post_to_a_compensation_tool() -> None:
+    message = refused(tools_file=str(DESK_TOOLS_FILE), tools="desk.close_ticket")
+
+    assert "desk.close_ticket is the compensation of" in message
+
+
+@pytest.mark.django_db
+def test_drill_refuses_tools_without_a_file() -> None:
+    assert "--tools-file" in refused(tools="desk.open_ticket")
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected"),
+    [
+        (None, "[[tool]\nname = ", "not TOML"),
+        (None, "[[widget]]\nname = 'x'\n", "unknown table(s) widget"),
+        # Checked as load_tools checks: a problem names the tool and the field.
+        (
+            'approval = "never"\n',
+            'approval = "never"\nextra = "field"\n',
+            "tool desk.open_ticket: field 'extra': unknown field",
+        ),
+        (
+            'approval = "never"\n',
+            'approval = "always"\n',
+            "desk.open_ticket waits for a person to approve each call",
+        ),
+        (
+            'required = ["title"]',
+            'required = ["summary"]',
+            "desk.open_ticket's input_schema refuses the drill's input",
+        ),
+        (
+            'url = "http://127.0.0.1:8765/tickets"',
+            'url = "http://${DESK_HOST}/tickets"',
+            "tool desk.open_ticket: field 'url': the drill points it at its own desk",
+        ),
+    ],
+)
+@pytest.mark.django_db
+def test_drill_refuses_a_file_that_does_not_load_and_writes_nothing(
+    tmp_path: Path, old: str | None, new: str, expected: str
+) -> None:
+    tools = tmp_path / "tools.toml"
+    source = DESK_TOOLS_FILE.read_text()
+    if old is not None:
+        assert old in source
+    tools.write_text(new if old is None else source.replace(old, new, 1))
+
+    message = refused(tools_file=str(tools))
+
+    assert expected in message
+
+
+def test_the_reference_desk_tools_file_holds_the_readme_example_word_for_word() -> None:
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Add your own tool") :]
+    match = re.search(r"```toml\n(.*?)```", section, flags=re.DOTALL)
+    assert match is not None
+    readme = tomllib.loads(match.group(1))["tool"]
+    reference = tomllib.loads(DESK_TOOLS_FILE.read_text())["tool"]
+
+    assert reference[: len(readme)] == readme
+    assert [t["name"] for t in reference] == list(FILE_TOOLS)
+
+
+def test_the_drill_points_a_files_urls_at_its_own_desk() -> None:
+    tables = tomllib.loads(DESK_TOOLS_FILE.read_text())["tool"]
+
+    moved = file_tools.at_desk(tables, "http://127.0.0.1:40123")
+
+    assert moved[0]["url"] == "http://127.0.0.1:40123/tickets"
+    assert moved[0]["lookup_url"] == "http://127.0.0.1:40123/tickets?client_ref={operation_id}"
+    assert moved[1]["url"] == "http://127.0.0.1:40123/tickets/{ticket_id}/close"
+    assert tables[0]["url"] == "http://127.0.0.1:8765/tickets"  # the file's own, untouched
+
+
+@pytest.mark.django_db
+def test_the_drill_finds_a_secrets_value_wherever_the_ledger_keeps_it(agent: Any, run: Any) -> None:
+    with dispatch.publishing(dispatch.dropping_publisher):
+        services.step_post(
+            agent=agent, run=run, key="s", tool_name="echo", input={"note": "drill-secret-abc"}
+        )
+
+    leaks = file_tools.secret_leaks(
+        run, {"DESK_TOKEN": "drill-secret-abc", "OTHER": "drill-secret-xyz"}
+    )
+
+    assert leaks
+    assert all(leak.startswith("§15 the value of ${DESK_TOKEN} appears") for leak in leaks)
+    assert any(leak.endswith(": step s") for leak in leaks)
+    assert file_tools.secret_leaks(run, {"OTHER": "drill-secret-xyz"}) == []

@@ -101,6 +101,20 @@ class Command(BaseCommand):
             help="also record the report in this database, e.g. the console's (default with "
             "--database: this settings' own database, so the console's Drills page shows it)",
         )
+        parser.add_argument(
+            "--tools-file",
+            default="",
+            metavar="FILE.toml",
+            help="HTTP tools ([[tool]] tables, as for load_tools) to load into the drill's "
+            "database, pointed at the drill's desk, and post steps to as well",
+        )
+        parser.add_argument(
+            "--tools",
+            default="",
+            metavar="A,B",
+            help="which tools of --tools-file to post to (default: its write tools that are "
+            "no other tool's compensation)",
+        )
         # Test-only: a deliberately broken engine, to show that the drill can fail.
         parser.add_argument("--break", dest="break_engine", choices=BREAKS, help=argparse.SUPPRESS)
 
@@ -122,6 +136,8 @@ class Command(BaseCommand):
                 broker_url=options["broker"],
                 timeout=options["timeout"],
                 break_engine=options["break_engine"] or "",
+                tools_file=options["tools_file"],
+                tools=options["tools"],
             )
             if options["seed"] is not None:
                 config.seed = options["seed"]
@@ -164,6 +180,11 @@ class Command(BaseCommand):
             argv.append(f"--broker={options['broker']}")
         if options["break_engine"]:
             argv.append(f"--break={options['break_engine']}")
+        if options["tools_file"]:
+            # The child runs in BASE_DIR: a relative path would change meaning.
+            argv.append(f"--tools-file={Path(options['tools_file']).resolve()}")
+        if options["tools"]:
+            argv.append(f"--tools={options['tools']}")
         # Beside the console, its Drills page shows the drill: the report is copied here.
         argv.append(f"--report-to={options['report_to'] or current_database_url()}")
         child = subprocess.Popen(  # noqa: S603 - our own interpreter and command

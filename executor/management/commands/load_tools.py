@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from executor import services
+from executor.tools import http as http_tools
 
 
 class Command(BaseCommand):
@@ -28,17 +28,9 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         path = Path(options["file"])
         try:
-            data = tomllib.loads(path.read_text())
-        except OSError as error:
-            raise CommandError(f"{path}: {error.strerror or error}") from None
-        except tomllib.TOMLDecodeError as error:
-            raise CommandError(f"{path}: not TOML: {error}") from None
-        unknown = sorted(set(data) - {"tool"})
-        if unknown:
-            raise CommandError(f"{path}: unknown table(s) {', '.join(unknown)}; expected [[tool]]")
-        tables = data.get("tool", [])
-        if not isinstance(tables, list) or not tables:
-            raise CommandError(f"{path}: no [[tool]] tables")
+            tables = http_tools.read_tool_file(path)
+        except http_tools.ToolFileError as error:
+            raise CommandError(str(error)) from None
         try:
             report = services.http_tools_load(
                 tables=tables, prune=options["prune"], check=options["check"]
