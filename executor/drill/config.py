@@ -91,6 +91,10 @@ class DrillConfig:
     timeout: float = 900.0
     # Share of the desk steps that a drill reviewer compensates once they complete.
     compensate: float = 0.1
+    # Steps a worker claims in one commit (EXECUTOR_BATCH_SIZE). A crash strands its whole
+    # batch until the lease expires; with the drill's crash rates, production's 100 would
+    # leave most of a drill waiting on leases. 10 still claims, calls and persists in batches.
+    batch_size: int = 10
     # Short, so that crashed attempts are recovered within the drill (DESIGN.md §7).
     lease_seconds: int = 5
     sweep_seconds: float = 1.0
@@ -112,6 +116,8 @@ class DrillConfig:
             raise DrillError("--kill-every must be 0 (no kills) or more")
         if self.freeze_every < 0:
             raise DrillError("--freeze-every must be 0 (no freezes) or more")
+        if not 1 <= self.batch_size <= 1000:
+            raise DrillError("--batch-size must be between 1 and 1000")
         if self.timeout <= 0:
             raise DrillError("--timeout must be positive")
         if not 0 <= self.compensate <= 1:

@@ -253,6 +253,7 @@ class Drill:
             + (f" in {self.broker_dir}" if self.broker_dir else ""),
             "queue": self.queue,
             "lease_seconds": config.lease_seconds,
+            "batch_size": config.batch_size,
             "sweep_seconds": config.sweep_seconds,
             "redispatch_after_seconds": config.redispatch_after,
             **({"break": config.break_engine} if config.break_engine else {}),
@@ -353,6 +354,7 @@ class Drill:
             "EXECUTOR_FAULTS": "",
             "EXECUTOR_FAULTS_SEED": str(self.config.seed),
             "EXECUTOR_LEASE_SECONDS": str(self.config.lease_seconds),
+            "EXECUTOR_BATCH_SIZE": str(self.config.batch_size),
             "EXECUTOR_SWEEP_SECONDS": str(self.config.sweep_seconds),
             "EXECUTOR_REDISPATCH_AFTER": str(self.config.redispatch_after),
             # The workers' events must verify under this process's key.

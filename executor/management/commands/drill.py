@@ -44,6 +44,12 @@ class Command(BaseCommand):
         parser.add_argument("--steps", type=int, default=300, help="steps to post (300)")
         parser.add_argument("--workers", type=int, default=2, help="worker processes (2)")
         parser.add_argument(
+            "--batch-size",
+            type=int,
+            default=10,
+            help="steps a worker claims at once (10; a crash strands its whole batch)",
+        )
+        parser.add_argument(
             "--rates",
             default=DEFAULT_WORKER_FAULTS,
             help=f"worker crash rates per interruption point ({DEFAULT_WORKER_FAULTS})",
@@ -128,6 +134,7 @@ class Command(BaseCommand):
             config = DrillConfig(
                 steps=options["steps"],
                 workers=options["workers"],
+                batch_size=options["batch_size"],
                 worker_faults=parse_worker_faults(options["rates"]),
                 desk_faults=parse_desk_faults(options["desk_faults"]),
                 kill_every=options["kill_every"],
@@ -167,6 +174,7 @@ class Command(BaseCommand):
             "drill",
             f"--steps={options['steps']}",
             f"--workers={options['workers']}",
+            f"--batch-size={options['batch_size']}",
             f"--rates={options['rates']}",
             f"--desk-faults={options['desk_faults']}",
             f"--kill-every={options['kill_every']}",
