@@ -21,7 +21,7 @@ from django.test import Client
 from django.urls import reverse
 from guardian.shortcuts import assign_perm
 
-from executor import dispatch, engine, recovery, services
+from executor import dispatch, engine, policy, recovery, services
 from executor.drill.processes import DeskProcess
 from executor.models import Agent, Approval, Attempt, Event, HttpToolSpec, Run, Step
 from executor.models import Tool as ToolRow
@@ -374,7 +374,7 @@ def test_create_agent_grants_only_the_tools_named(desk: httpx.Client, tmp_path: 
     call_command("create_agent", "picky", workspace="acme", tools="echo,desk.echo", stdout=out)
 
     agent = Agent.objects.get(name="picky")
-    usable = services.policy.grants(
+    usable = policy.grants(
         users=[agent.user_id], workspaces=[], tools=["echo", "desk.echo", "http.get"]
     )
     assert {tool for _, codename, _, tool in usable if codename == "use_tool"} == {
