@@ -197,10 +197,17 @@ def deploy_check(tmp_path: Path, **given: str) -> subprocess.CompletedProcess[st
     )
 
 
-def test_check_deploy_passes_with_https_only_and_a_real_key(tmp_path: Path) -> None:
-    out = deploy_check(tmp_path, HTTPS_ONLY="1")
+def test_check_deploy_passes_with_https_only_a_real_key_and_real_mail(tmp_path: Path) -> None:
+    smtp = "django.core.mail.backends.smtp.EmailBackend"
+    out = deploy_check(tmp_path, HTTPS_ONLY="1", EMAIL_BACKEND=smtp)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "no issues" in out.stdout
+
+
+def test_check_deploy_says_mail_to_files_is_for_development(tmp_path: Path) -> None:
+    out = deploy_check(tmp_path, HTTPS_ONLY="1")
+    assert out.returncode != 0
+    assert "mail.E001" in out.stderr + out.stdout
 
 
 def test_check_deploy_fails_without_https_only(tmp_path: Path) -> None:
