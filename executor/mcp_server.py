@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anyio
@@ -128,12 +129,23 @@ def mcp_http(request: HttpRequest) -> HttpResponse:
         response["Retry-After"] = str(wait)
         return response
     session = mcp.Session.daily(agent, base_url=request.build_absolute_uri("/"))
-    status, headers, body = asyncio.run(_serve_one(build_server(session), request))
+    status, headers, body = run_to_completion(_serve_one(build_server(session), request))
     answer = HttpResponse(body, status=status)
     for name, value in headers:
         if name.lower() not in ("content-length", "connection"):
             answer[name] = value
     return answer
+
+
+def run_to_completion[T](coroutine: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run`, also where this thread already runs an event loop (an async server,
+    or a test process driving a browser): then on a thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
 
 
 def _bearer(request: HttpRequest) -> str:

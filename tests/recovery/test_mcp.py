@@ -5,7 +5,6 @@ tools and call them, a real worker runs the steps, and the ticket desk supplies 
 
 from __future__ import annotations
 
-import asyncio
 import re
 import sys
 from collections.abc import Awaitable, Callable, Iterator
@@ -20,6 +19,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp_types import CallToolResult
 
 from executor import mcp, services
+from executor.mcp_server import run_to_completion
 from executor.models import Agent, Step
 from executor.states import State
 from tests.support.api import AgentAuth
@@ -57,7 +57,7 @@ def over_http[T](web: WebServer, token: str, work: Work[T]) -> T:
             async with Client(transport) as client:
                 return await work(client)
 
-    return asyncio.run(session())
+    return run_to_completion(session())
 
 
 def over_stdio[T](cluster: Cluster, token: str, work: Work[T]) -> T:
@@ -71,7 +71,7 @@ def over_stdio[T](cluster: Cluster, token: str, work: Work[T]) -> T:
         async with Client(server) as client:
             return await work(client)
 
-    return asyncio.run(session())
+    return run_to_completion(session())
 
 
 def text_of(result: CallToolResult) -> str:
