@@ -675,7 +675,7 @@ def run_live(request: ReviewerRequest, pk: Any) -> HttpResponse:
     run = _get_run_for_user(request, pk)
     seen = request.GET.get("seen")
     if request.htmx and seen and seen != run.status:
-        # Paused, resumed or closed since the page was drawn: its header and forms changed.
+        # Paused, resumed or cancelled since the page was drawn: its header and forms changed.
         return HttpResponseClientRefresh()
     return _render(request, "console/run.html#run-live", _run_context(request, run))
 
