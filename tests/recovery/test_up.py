@@ -189,6 +189,16 @@ def test_the_demo_leaves_every_reviewer_job(up_process_env: dict[str, str], tmp_
             diagnose=diagnose,
             tick=0.5,
         )
+        # ticket-1's lookup settles it by itself, at its due time after the demo's calls.
+        wait_until(
+            lambda: Step.objects.filter(
+                key="ticket-1", run__workspace__slug="demo", state=State.COMPLETED
+            ).exists(),
+            seconds=120,
+            what="ticket-1's lookup to settle it",
+            diagnose=diagnose,
+            tick=0.5,
+        )
         workspace = Workspace.objects.get(slug="demo")
         counts = selectors.inbox_counts(inbox=selectors.InboxFilter(workspace_ids=(workspace.pk,)))[
             "all"
