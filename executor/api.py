@@ -89,6 +89,7 @@ def agent_for_token(token: str) -> Agent | None:
     agent = (
         Agent.objects.select_related("workspace", "user")
         .filter(token_hash=hash_token(token), is_active=True, user__is_active=True)
+        .order_by()  # the hash is unique: no sort (the model's order joins the workspace)
         .first()
     )
     if agent is None:

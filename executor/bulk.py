@@ -1,12 +1,16 @@
-"""One UPDATE for many rows whose new values differ row by row (the batches of DESIGN.md §14).
+"""Many rows in one statement (the batches of DESIGN.md §14).
 
-Django's `bulk_update` writes every field as a CASE over every row; here the fields that are
-the same for every row stay plain values, and only the ones that differ become a CASE.
+`update_rows`: one UPDATE for many rows whose new values differ row by row. Django's
+`bulk_update` writes every field as a CASE over every row; here the fields that are the same
+for every row stay plain values, and only the ones that differ become a CASE.
+
+`insert_together`: new rows of several models in one INSERT statement (PostgreSQL).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from django.db import connection
@@ -46,3 +50,80 @@ def update_rows(
         else:
             values[name] = case_by_pk(queryset.model, name, by_pk)
     return queryset.update(**values)
+
+
+# --- new rows of several tables in one statement (PostgreSQL) --------------------------------
+
+# A column's value as SQL with its parameters, where a plain value will not do.
+Column = Callable[[Model], tuple[str, list[Any]]]
+
+
+@dataclass
+class Rows:
+    """New rows of one model for `insert_together`; `columns` gives some fields as SQL."""
+
+    model: type[Model]
+    objs: Sequence[Model]
+    columns: Mapping[str, Column] = field(default_factory=dict)
+
+
+def insert_together(
+    rows: Sequence[Rows], *, ctes: Sequence[tuple[str, str, list[Any]]] = ()
+) -> dict[str, list[Any]]:
+    """Inserts every group of `rows` in one statement of data-modifying CTEs (PostgreSQL): one
+    round trip, atomic by itself, where `bulk_create` of each model in a transaction costs
+    BEGIN, an INSERT a model and COMMIT.
+
+    `ctes` (name, SQL, parameters) come first, for `columns` to read from; each returns one
+    column, and the answer maps each name to its values. Sets the objects' generated primary
+    keys, as `bulk_create` does.
+    """
+    parts = [f"{name} AS ({sql})" for name, sql, _ in ctes]
+    params: list[Any] = [p for _, _, cte_params in ctes for p in cte_params]
+    # Each part of the answer is tagged: -1, -2, … the CTEs; 0, 1, … the groups' keys.
+    # Names and numbers are ours; every value is a parameter.
+    answers = [f"SELECT {-1 - index}, * FROM {name}" for index, (name, _, _) in enumerate(ctes)]  # noqa: S608
+    for number, group in enumerate(rows):
+        if not group.objs:
+            continue
+        meta = group.model._meta
+        pk = meta.pk
+        generated = pk is not None and pk.db_returning
+        fields = [f for f in meta.concrete_fields if not (generated and f is pk)]
+        names = ", ".join(connection.ops.quote_name(f.column or f.name) for f in fields)
+        tuples = []
+        for obj in group.objs:
+            cells = []
+            for f in fields:
+                column = group.columns.get(f.name)
+                if column is None:
+                    cells.append("%s")
+                    params.append(f.get_db_prep_save(f.pre_save(obj, True), connection))
+                else:
+                    sql, column_params = column(obj)
+                    cells.append(sql)
+                    params.extend(column_params)
+            tuples.append(f"({', '.join(cells)})")
+        table = connection.ops.quote_name(meta.db_table)
+        insert = f"INSERT INTO {table} ({names}) VALUES {', '.join(tuples)}"  # noqa: S608
+        if generated:
+            assert pk is not None
+            insert += f" RETURNING {connection.ops.quote_name(pk.column or pk.name)}"
+            answers.append(f"SELECT {number}, * FROM i{number}")  # noqa: S608
+        parts.append(f"i{number} AS ({insert})")
+    found: dict[int, list[Any]] = {}
+    if len(parts) > len(ctes):
+        # Rows come back in the order of their VALUES, as `bulk_create` relies on too.
+        answer = " UNION ALL ".join(answers) or "SELECT -1, NULL WHERE FALSE"
+        with connection.cursor() as cursor:
+            cursor.execute(f"WITH {', '.join(parts)} {answer}", params)
+            for tag, value in cursor.fetchall():
+                found.setdefault(tag, []).append(value)
+    for number, group in enumerate(rows):
+        keys = iter(found.get(number, ()))
+        for obj in group.objs:
+            if number in found:
+                obj.pk = next(keys)
+            obj._state.adding = False
+            obj._state.db = connection.alias
+    return {name: found.get(-1 - index, []) for index, (name, _, _) in enumerate(ctes)}

@@ -9,6 +9,7 @@ serializes a step's moves.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -22,7 +23,7 @@ from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from executor.bulk import update_rows
+from executor.bulk import Rows, insert_together, update_rows
 from executor.models import EVENT_FORMAT, Event, Step, StepCounter, comparable
 from executor.redaction import redact
 from executor.states import LEASED, State, is_allowed
@@ -328,13 +329,20 @@ class Posted:
     data: dict[str, Any] | None = None
 
 
-def insert_many(histories: Sequence[tuple[Step, Sequence[Posted]]], *, now: datetime) -> None:
+def insert_many(
+    histories: Sequence[tuple[Step, Sequence[Posted]]],
+    *,
+    now: datetime,
+    also: Sequence[Rows] = (),
+) -> None:
     """Inserts new steps, each with the Events of the states it passed through as it was
-    recorded (posted, approved by policy, pending), in one INSERT of steps and one of Events.
+    recorded (posted, approved by policy, pending), and `also` (rows that belong to them,
+    such as the policy's approvals), numbering the steps in their runs' posting order.
 
     Each step is inserted in its last state, at the version its history reaches; the history
     must start from nothing and follow allowed moves, as if each had been `move`d there.
-    Must run inside a transaction.
+    On PostgreSQL all of it is one statement (atomic by itself, in a transaction or not);
+    elsewhere one statement a table, which must run inside a transaction.
     """
     events: list[Event] = []
     for step, history in histories:
@@ -362,34 +370,81 @@ def insert_many(histories: Sequence[tuple[Step, Sequence[Posted]]], *, now: date
     by_run: dict[Any, list[Step]] = {}
     for step, _ in histories:
         by_run.setdefault(step.run_id, []).append(step)
-    for run_id, steps in by_run.items():
-        first = take_positions(run_id, len(steps))
-        for offset, step in enumerate(steps):
+    steps = [step for step, _ in histories]
+    if connection.vendor == "postgresql":
+        _insert_in_one_statement(by_run, [Rows(Event, events), *also])
+        return
+    for run_id, run_steps in by_run.items():
+        first = take_positions(run_id, len(run_steps))
+        for offset, step in enumerate(run_steps):
             step.position = first + offset
-    Step.objects.bulk_create([step for step, _ in histories])
+    Step.objects.bulk_create(steps)
     Event.objects.bulk_create(events)
+    for group in also:
+        group.model.objects.bulk_create(group.objs)  # type: ignore[attr-defined]
 
 
-def take_positions(run_id: Any, count: int) -> int:
-    """Reserves `count` consecutive positions in the run's posting order; returns the first.
+def for_insert_many() -> contextlib.AbstractContextManager[Any]:
+    """The transaction `insert_many` (and whatever is sent on its commit) needs: none on
+    PostgreSQL outside a transaction, where it is one statement, atomic by itself (a BEGIN
+    and a COMMIT fewer: two round trips of a single post); a savepoint inside one, so that a
+    refused insert (a concurrent post of the same key) leaves the outer transaction usable;
+    a transaction elsewhere."""
+    if connection.vendor == "postgresql" and not connection.in_atomic_block:
+        return contextlib.nullcontext()
+    return transaction.atomic()
 
-    One statement: it creates the run's counter (from its highest position, for steps
-    numbered before the counter existed) or increments it. Concurrent posts to one run wait
-    on this row only, from here to their commit; nothing else locks it.
+
+def _insert_in_one_statement(by_run: dict[Any, list[Step]], others: Sequence[Rows]) -> None:
+    """`insert_many` on PostgreSQL: each run's counter moves (`take_positions`), the steps take
+    their positions from it, and the other rows go in, in one statement."""
+    ctes: list[tuple[str, str, list[Any]]] = []
+    places: dict[Any, tuple[str, int]] = {}  # step id → (its run's CTE, offset in the run)
+    for number, (run_id, run_steps) in enumerate(by_run.items()):
+        ctes.append((f"c{number}", *_positions_sql(run_id, len(run_steps))))
+        for offset, step in enumerate(run_steps):
+            places[step.pk] = (f"c{number}", offset)
+
+    def position(step: Any) -> tuple[str, list[Any]]:
+        name, offset = places[step.pk]
+        return f"(SELECT first_position FROM {name}) + %s", [offset]  # noqa: S608 - ours
+
+    steps = [step for run_steps in by_run.values() for step in run_steps]
+    firsts = insert_together([Rows(Step, steps, {"position": position}), *others], ctes=ctes)
+    for number, run_steps in enumerate(by_run.values()):
+        (first,) = firsts[f"c{number}"]
+        for offset, step in enumerate(run_steps):
+            step.position = first + offset
+
+
+def _positions_sql(run_id: Any, count: int) -> tuple[str, list[Any]]:
+    """The statement that reserves `count` consecutive positions in the run's posting order
+    and returns the first.
+
+    It creates the run's counter (from its highest position, for steps numbered before the
+    counter existed) or increments it. Concurrent posts to one run wait on this row only,
+    from here to their commit; nothing else locks it.
     """
     table = StepCounter._meta.db_table
     steps = Step._meta.db_table
     run = StepCounter._meta.pk.get_db_prep_value(run_id, connection)
+    sql = (
+        f"INSERT INTO {table} (run_id, last_position) "  # noqa: S608 - names, not input
+        f"VALUES (%s, (SELECT COALESCE(MAX(position), 0) FROM {steps} WHERE run_id = %s) + %s) "
+        f"ON CONFLICT (run_id) DO UPDATE SET last_position = {table}.last_position + %s "
+        "RETURNING last_position - %s + 1 AS first_position"
+    )
+    return sql, [run, run, count, count, count]
+
+
+def take_positions(run_id: Any, count: int) -> int:
+    """Reserves `count` consecutive positions in the run's posting order; returns the first
+    (`_positions_sql`, as a statement of its own)."""
+    sql, params = _positions_sql(run_id, count)
     with connection.cursor() as cursor:
-        cursor.execute(
-            f"INSERT INTO {table} (run_id, last_position) "  # noqa: S608 - names, not input
-            f"VALUES (%s, (SELECT COALESCE(MAX(position), 0) FROM {steps} WHERE run_id = %s) + %s) "
-            f"ON CONFLICT (run_id) DO UPDATE SET last_position = {table}.last_position + %s "
-            "RETURNING last_position",
-            [run, run, count, count],
-        )
-        (last,) = cursor.fetchone()
-    return int(last) - count + 1
+        cursor.execute(sql, params)
+        (first,) = cursor.fetchone()
+    return int(first)
 
 
 def insert(step: Step, *, actor: str, reason: str = "", now: datetime | None = None) -> Step:

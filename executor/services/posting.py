@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError
 from django.utils import timezone
 
-from executor import dispatch, policy, transitions
+from executor import bulk, dispatch, policy, transitions
 from executor.models import (
     Agent,
     Approval,
@@ -117,7 +117,11 @@ def _steps_post_once(
             )
         tools.append(tool)
     named = {r.key for r in requests} | {k for r in requests for k in r.depends_on}
-    known = {step.key: step for step in Step.objects.filter(run=run, key__in=named).defer("input")}
+    # Unordered: the model's order would join the run for nothing.
+    known = {
+        step.key: step
+        for step in Step.objects.filter(run=run, key__in=named).defer("input").order_by()
+    }
     grants = policy.grants(
         users=[agent.user_id], workspaces=[run.workspace_id], tools={r.tool for r in requests}
     )
@@ -169,12 +173,16 @@ def _steps_post_once(
     created = [step.pk in made for step in steps]
     if not new:
         return steps, created
-    with transaction.atomic():
-        transitions.insert_many([(step, history) for step, _, history in new], now=now)
-        Approval.objects.bulk_create(
-            policy_approval(step=step, version=version, now=now)
-            for step, version, _ in new
-            if version is not None
+    approvals = [
+        policy_approval(step=step, version=version, now=now)
+        for step, version, _ in new
+        if version is not None
+    ]
+    with transitions.for_insert_many():
+        transitions.insert_many(
+            [(step, history) for step, _, history in new],
+            now=now,
+            also=[bulk.Rows(Approval, approvals)],
         )
         dispatch.execute_many([step.pk for step, _, _ in new if step.state == State.PENDING])
     return steps, created
