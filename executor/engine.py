@@ -19,6 +19,7 @@ that path lives elsewhere (recovery, progress, policy, dispatch, transitions).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import random
@@ -870,8 +871,18 @@ def _call_pool() -> ThreadPoolExecutor:
         return _pool
 
 
-def _execute_in_thread(claim: Claim, context: dict[str, Any]) -> str:
-    close_old_connections()
+# Which drain each pool thread last worked for (`_execute_in_thread`).
+_thread_drain = threading.local()
+
+
+def _execute_in_thread(claim: Claim, context: dict[str, Any], drain: int) -> str:
+    # A drain is to a pool thread what a request is to a web thread: its connection is
+    # checked (and replaced if stale or broken) once at the start, not before every step:
+    # with CONN_HEALTH_CHECKS each check is a query, one more round trip and commit a step.
+    # After an error it is checked again before the next step.
+    if getattr(_thread_drain, "number", None) != drain:
+        close_old_connections()
+        _thread_drain.number = drain
     with logcontext.bound(**context):
         try:
             return execute_claimed(claim)
@@ -881,7 +892,11 @@ def _execute_in_thread(claim: Claim, context: dict[str, Any]) -> str:
                 claim.step.pk,
                 extra=log_fields(claim.step, claim.attempt),
             )
+            _thread_drain.number = None
             return Outcome.SKIPPED
+
+
+_drains = itertools.count(1)
 
 
 class WritePool:
@@ -898,6 +913,7 @@ class WritePool:
         # Where each step it ran ended, as each call's thread returns.
         self.ends = ends
         self._running: dict[Future[str], Claim] = {}
+        self._number = next(_drains)
 
     def room(self, wanted: int) -> int:
         """How many write steps to claim now."""
@@ -915,7 +931,9 @@ class WritePool:
                 self.keeper.release([c])
             else:
                 # The pool's threads log with the context of the task that claimed the step.
-                future = _call_pool().submit(_execute_in_thread, c, logcontext.current())
+                future = _call_pool().submit(
+                    _execute_in_thread, c, logcontext.current(), self._number
+                )
                 self._running[future] = c
 
     def busy(self) -> bool:

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from django.db import connection
+from django.db import connection, connections
 from django.test.utils import CaptureQueriesContext
 from guardian.shortcuts import assign_perm, remove_perm
 
@@ -127,7 +127,8 @@ def test_pure_steps_of_a_batch_are_submitted_in_the_claim_commit(agent: Agent, r
 
     batch = engine.claim(worker="w1", light=10)
 
-    assert [c.step.pk for c in batch.claims] == [s.pk for s in steps]
+    # Due at the same moment: in no particular order.
+    assert {c.step.pk for c in batch.claims} == {s.pk for s in steps}
     for c in batch.claims:
         attempt = Attempt.objects.get(pk=c.attempt.pk)
         assert (attempt.phase, attempt.fence) == (Phase.SUBMITTING, 1)
@@ -287,3 +288,39 @@ def test_write_steps_run_in_the_pool_each_called_once(
     assert sorted(call.step_id for call in WriteTool.calls) == sorted(str(s.pk) for s in steps)
     threads = {a.worker for a in Attempt.objects.filter(step__in=steps)}
     assert threads == {"w1"}
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_pool_threads_check_their_connection_once_a_drain_not_once_a_step(
+    agent: Agent, run: Run, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With CONN_HEALTH_CHECKS (as DATABASE_URL sets them) each check is a query and a commit
+    # of its own: a pool thread checks its connection when a drain first gives it work,
+    # as a web thread does once a request.
+    assert connection.settings_dict["CONN_HEALTH_CHECKS"]
+    settings.EXECUTOR_WRITE_POOL = 2
+    checks: list[str] = []
+    wrapper = type(connections["default"])
+    real_is_usable = wrapper.is_usable
+
+    def is_usable(self: Any) -> bool:
+        checks.append(threading.current_thread().name)
+        return real_is_usable(self)
+
+    monkeypatch.setattr(wrapper, "is_usable", is_usable)
+    post_many(agent, run, "test.write", 12)
+    assert engine.drain(worker="w1") == 12  # the pool threads have connections now
+    checks.clear()
+    steps, _ = services.steps_post(
+        agent=agent,
+        run=run,
+        requests=[services.StepRequest(f"again-{i}", "test.write", {"n": i}) for i in range(12)],
+    )
+
+    assert engine.drain(worker="w1") == 12
+
+    assert {reload(s).state for s in steps} == {State.COMPLETED}
+    pool_checks = [name for name in checks if name.startswith("stepward-call")]
+    assert pool_checks, checks
+    assert len(pool_checks) == len(set(pool_checks)), checks  # once a thread, not a step
