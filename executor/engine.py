@@ -506,13 +506,16 @@ def stop_before_submit(step: Step, attempt: Attempt, *, now: datetime) -> str:
     return State.PENDING
 
 
-def execute_claimed(claim: Claim) -> str:
-    """The rest of a claimed write step's attempt: submitting, the call, its outcome."""
+def execute_claimed(claim: Claim, *, verify: bool = True) -> str:
+    """The rest of a claimed write step's attempt: submitting, the call, its outcome.
+
+    `verify=False` stops at `verifying` (its response stored) for the caller to complete it
+    with others (`verify_many`): the write pool does."""
     with logcontext.bound(**log_fields(claim.step, claim.attempt)):
-        return _execute_claimed(claim)
+        return _execute_claimed(claim, verify=verify)
 
 
-def _execute_claimed(claim: Claim) -> str:
+def _execute_claimed(claim: Claim, *, verify: bool) -> str:
     step, attempt, tool = claim.step, claim.attempt, claim.tool
     if is_light(tool):
         return run_light([claim])[step.pk]
@@ -524,7 +527,7 @@ def _execute_claimed(claim: Claim) -> str:
             return stop_before_submit(step, attempt, now=now)
     answer = _invoke_one(claim)
     if isinstance(answer, ToolResult):
-        return persist_response(claim, answer)
+        return persist_response(claim, answer, verify=verify)
     return handle_failure(claim, answer)
 
 
@@ -571,8 +574,9 @@ def close_attempt(
     Attempt.objects.filter(pk=attempt.pk, phase__in=OPEN_PHASES).update(**fields)
 
 
-def persist_response(claim: Claim, result: ToolResult) -> str:
-    """Stores a write's response (commit 6), then confirms the effect (commit 7)."""
+def persist_response(claim: Claim, result: ToolResult, *, verify: bool = True) -> str:
+    """Stores a write's response (commit 6), then confirms the effect (commit 7) unless the
+    caller does that itself (`verify=False`: the step is left `verifying`)."""
     step, attempt, tool = claim.step, claim.attempt, claim.tool
     if is_light(tool):
         return persist_light([claim], [result])[step.pk]
@@ -603,10 +607,48 @@ def persist_response(claim: Claim, result: ToolResult) -> str:
         return record_fenced_out(attempt, "responded", **evidence)
     if cost:
         pause_if_over_cost(step.run_id, now=now)
-    return verify(step, actor=actor, fence=claim.fence, attempt=attempt)
+    if not verify:
+        return step.state
+    return verify_step(step, actor=actor, fence=claim.fence, attempt=attempt)
 
 
-def verify(step: Step, *, actor: str, fence: int | None, attempt: Attempt | None = None) -> str:
+def verify_many(claims: Sequence[Claim]) -> dict[Any, str]:
+    """verifying → completed for write steps whose responses are stored (commit 7 of §5),
+    all in one commit, each conditional on its own fence; returns where each ended.
+
+    The write pool's calls each commit their response as it comes (commit 6); their
+    completions are shared, as a batch's claim is. A crash in between leaves them
+    `verifying` with their response stored, which recovery completes (§7)."""
+    if not claims:
+        return {}
+    now = timezone.now()
+    with transaction.atomic():
+        moved, stale = transitions.move_many(
+            [
+                transitions.Move(
+                    c.step,
+                    State.COMPLETED,
+                    actor=executor_actor(c.worker),
+                    reason="effect confirmed",
+                    fence=c.fence,
+                )
+                for c in claims
+            ],
+            now=now,
+        )
+        progress.steps_completed([m.step for m in moved], now=now)
+    ends: dict[Any, str] = {m.step.pk: State.COMPLETED for m in moved}
+    by_step = {c.step.pk: c for c in claims}
+    for m in stale:
+        c = by_step[m.step.pk]
+        with logcontext.bound(**log_fields(c.step, c.attempt)):
+            ends[c.step.pk] = record_fenced_out(c.attempt, "completed")
+    return ends
+
+
+def verify_step(
+    step: Step, *, actor: str, fence: int | None, attempt: Attempt | None = None
+) -> str:
     """verifying → completed: the stored response is the tool's confirmation of its effect."""
     now = timezone.now()
     try:
@@ -885,7 +927,7 @@ def _execute_in_thread(claim: Claim, context: dict[str, Any], drain: int) -> str
         _thread_drain.number = drain
     with logcontext.bound(**context):
         try:
-            return execute_claimed(claim)
+            return execute_claimed(claim, verify=False)
         except Exception:  # its lease runs out and recovery takes it from there (§7)
             logger.exception(
                 "step %s: the attempt stopped on an error",
@@ -905,6 +947,8 @@ class WritePool:
 
     Writes are claimed for it a pool's worth at a time, never one by one as each call
     returns: a claim is a commit, and the backlog's leases are kept like the running ones.
+    Each call's thread commits its response; the calls that ended by the time the drain
+    looks are completed together (`verify_many`), for the same reason.
     """
 
     def __init__(self, size: int, keeper: LeaseKeeper, ends: dict[Any, str]) -> None:
@@ -953,10 +997,12 @@ class WritePool:
         self._reap()
 
     def _reap(self) -> None:
-        for future in [f for f in self._running if f.done()]:
-            claim = self._running.pop(future)
-            self.keeper.release([claim])
-            self.ends[claim.step.pk] = future.result()
+        """Takes in the calls that ended; completes those that stored a response together."""
+        ended = [(self._running.pop(f), f.result()) for f in [f for f in self._running if f.done()]]
+        responded = [claim for claim, end in ended if end == State.VERIFYING]
+        self.ends.update((claim.step.pk, end) for claim, end in ended)
+        self.ends.update(verify_many(responded))
+        self.keeper.release([claim for claim, _ in ended])
 
 
 def drain(*, worker: str, limit: int | None = None) -> int:

@@ -324,3 +324,27 @@ def test_pool_threads_check_their_connection_once_a_drain_not_once_a_step(
     pool_checks = [name for name in checks if name.startswith("stepward-call")]
     assert pool_checks, checks
     assert len(pool_checks) == len(set(pool_checks)), checks  # once a thread, not a step
+
+
+@pytest.mark.django_db(transaction=True)
+def test_write_steps_that_stored_their_responses_complete_together(agent: Agent, run: Run) -> None:
+    steps = post_many(agent, run, "test.write", 3)
+    batch = engine.claim(worker="A", writes=10)
+    for c in batch.claims:  # what the pool's threads do: each response committed as it comes
+        assert engine.execute_claimed(c, verify=False) == State.VERIFYING
+    taken = steps[1]
+    expire_lease(taken)
+    assert recovery.recover_expired(taken.pk) == State.COMPLETED  # a response stored: §7
+
+    with commits() as seen:
+        ends = engine.verify_many(batch.claims)
+
+    assert ends == {
+        steps[0].pk: State.COMPLETED,
+        taken.pk: engine.Outcome.FENCED_OUT,
+        steps[2].pk: State.COMPLETED,
+    }
+    assert len(seen) == 2  # both completions in one commit; the fenced-out note on its own
+    assert {reload(s).state for s in steps} == {State.COMPLETED}
+    assert Attempt.objects.get(step=taken, worker="A").fenced_out_write == "completed"
+    assert len(WriteTool.calls) == 3
