@@ -1030,8 +1030,10 @@ def method_lines(bench: Bench, meta: dict[str, Any]) -> list[str]:
         "the whole request stack; steps by `engine.drain`, all due together so the engine "
         "batches them, and a few one at a time, 'alone'); statements are those Django "
         "executes, in every thread (BEGIN/COMMIT and the connection health check are not "
-        "counted); commits are PostgreSQL's xact_commit for the database, read after a "
-        "second's wait so other connections' statistics are in (autocommit reads count).",
+        "counted); commits are PostgreSQL's xact_commit for the database, read after the "
+        "engine's pool threads reconnect (a closing backend flushes its statistics at once) "
+        "and a second's wait, so other connections' statistics are in (autocommit reads and "
+        "connection health checks count).",
         "Batch ingest is compared with a quarter of the higher of the two pgbench readings "
         "(one right before the ingest, one after the drains). 'Drained alone' is one step "
         "posted, then `engine.drain(limit=1)`, which stops at its limit; a worker's drain "
