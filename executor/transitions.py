@@ -370,18 +370,17 @@ def insert_many(
     by_run: dict[Any, list[Step]] = {}
     for step, _ in histories:
         by_run.setdefault(step.run_id, []).append(step)
-    steps = [step for step, _ in histories]
+    others = [Rows(Event, events), *also]
     if connection.vendor == "postgresql":
-        _insert_in_one_statement(by_run, [Rows(Event, events), *also])
+        _insert_in_one_statement(by_run, others)
         return
     for run_id, run_steps in by_run.items():
         first = take_positions(run_id, len(run_steps))
         for offset, step in enumerate(run_steps):
             step.position = first + offset
-    Step.objects.bulk_create(steps)
-    Event.objects.bulk_create(events)
-    for group in also:
-        group.model.objects.bulk_create(group.objs)  # type: ignore[attr-defined]
+    Step.objects.bulk_create([step for step, _ in histories])
+    for group in others:
+        group.model._default_manager.bulk_create(group.objs)
 
 
 def for_insert_many() -> contextlib.AbstractContextManager[Any]:
