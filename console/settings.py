@@ -174,6 +174,16 @@ if DATABASE_URL:
     if _db["ENGINE"] == "django.db.backends.sqlite3":
         _db["CONN_MAX_AGE"] = 0
         _db["OPTIONS"] = {**SQLITE_OPTIONS, **_db.get("OPTIONS", {})}
+    elif env_bool("DATABASE_PREPARED_STATEMENTS", True):
+        # Parameters bound by the server, and a statement run five times on a connection is
+        # prepared there: the hot statements (a post's permission query, a claim, a persist)
+        # skip parsing and planning, most of their time. Off (0) behind a pooler that cannot
+        # keep prepared statements (PgBouncer in transaction mode before 1.21).
+        _db["OPTIONS"] = {
+            "server_side_binding": True,
+            "prepare_threshold": 5,
+            **_db.get("OPTIONS", {}),
+        }
 else:
     _db = {
         "ENGINE": "django.db.backends.sqlite3",

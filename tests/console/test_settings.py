@@ -36,6 +36,8 @@ READ = {
     "SESSION_COOKIE_SECURE",
     "CSRF_COOKIE_SECURE",
     "SECURE_PROXY_SSL_HEADER",
+    "DATABASE_URL",
+    "DATABASE_PREPARED_STATEMENTS",
     # The tests' own (for the live server); check --deploy rightly refuses it.
     "DJANGO_ALLOW_ASYNC_UNSAFE",
 }
@@ -80,11 +82,11 @@ def manage(tmp_path: Path, *argv: str, **given: str) -> subprocess.CompletedProc
     )
 
 
-def loaded(tmp_path: Path, **given: str) -> dict[str, Any]:
+def loaded(tmp_path: Path, shown: list[str] = SHOWN, **given: str) -> dict[str, Any]:
     """The settings as a process with this environment sees them."""
     code = (
         "import json, django; django.setup(); from django.conf import settings; "
-        f"print(json.dumps({{name: getattr(settings, name) for name in {SHOWN!r}}}))"
+        f"print(json.dumps({{name: getattr(settings, name) for name in {shown!r}}}, default=str))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],
@@ -253,3 +255,20 @@ def test_each_https_setting_can_be_set_on_its_own(tmp_path: Path) -> None:
     assert alone["SESSION_COOKIE_SECURE"] is True
     assert alone["CSRF_COOKIE_SECURE"] is False
     assert alone["SECURE_SSL_REDIRECT"] is False
+
+
+# --- the database ---------------------------------------------------------------------------
+
+
+def test_postgresql_binds_and_prepares_statements_on_the_server_unless_turned_off(
+    tmp_path: Path,
+) -> None:
+    url = "postgres://stepward@db.example:5432/stepward"
+
+    def options(**given: str) -> dict[str, Any]:
+        seen = loaded(tmp_path, ["DATABASES"], SECRET_KEY=real_key(), DATABASE_URL=url, **given)
+        return dict(seen["DATABASES"]["default"].get("OPTIONS", {}))
+
+    assert options() == {"server_side_binding": True, "prepare_threshold": 5}
+    off = options(DATABASE_PREPARED_STATEMENTS="0")
+    assert not {"server_side_binding", "prepare_threshold"} & off.keys()
