@@ -160,16 +160,21 @@ def _locked(steps: QuerySet[Step]) -> QuerySet[Step]:
     return steps
 
 
+# Oldest first; among steps due at once (a batch's), posting order: the budget's last calls go
+# to the steps posted first.
+DUE_ORDER = ("not_before", "position")
+
+
 def _due_steps(*, light: int, writes: int, now: datetime) -> list[Step]:
     """Up to `light` due pure/read steps and `writes` due write steps of open runs, oldest
-    first. The tool's effect comes from the Tool table (what decides is the registry's; this
-    only sizes the batch)."""
+    first, a run's steps due together in posting order. The tool's effect comes from the Tool
+    table (what decides is the registry's; this only sizes the batch)."""
     due = Step.objects.due(now).of_open_runs()
     rows: list[Step] = []
     if light > 0:
-        rows += _locked(due.filter(tool__effect__in=LIGHT_EFFECTS).order_by("not_before"))[:light]
+        rows += _locked(due.filter(tool__effect__in=LIGHT_EFFECTS).order_by(*DUE_ORDER))[:light]
     if writes > 0:
-        rows += _locked(due.exclude(tool__effect__in=LIGHT_EFFECTS).order_by("not_before"))[:writes]
+        rows += _locked(due.exclude(tool__effect__in=LIGHT_EFFECTS).order_by(*DUE_ORDER))[:writes]
     return rows
 
 
