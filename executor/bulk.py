@@ -4,7 +4,7 @@
 `bulk_update` writes every field as a CASE over every row; here the fields that are the same
 for every row stay plain values, and only the ones that differ become a CASE.
 
-`insert_together`: new rows of several models in one INSERT statement (PostgreSQL).
+`insert_together`: new rows of several models in one statement (PostgreSQL).
 """
 
 from __future__ import annotations
@@ -54,17 +54,24 @@ def update_rows(
 
 # --- new rows of several tables in one statement (PostgreSQL) --------------------------------
 
-# A column's value as SQL with its parameters, where a plain value will not do.
-Column = Callable[[Model], tuple[str, list[Any]]]
+
+@dataclass(frozen=True)
+class Computed:
+    """A column computed in SQL from values given per row: `sql` names them `{0}`, `{1}`, …
+    (each of the SQL type in `types`); `values` gives them for one object."""
+
+    sql: str
+    types: tuple[str, ...]
+    values: Callable[[Any], tuple[Any, ...]]
 
 
 @dataclass
 class Rows:
-    """New rows of one model for `insert_together`; `columns` gives some fields as SQL."""
+    """New rows of one model for `insert_together`; `columns` computes some fields in SQL."""
 
     model: type[Model]
     objs: Sequence[Model]
-    columns: Mapping[str, Column] = field(default_factory=dict)
+    columns: Mapping[str, Computed] = field(default_factory=dict)
 
 
 def insert_together(
@@ -74,6 +81,11 @@ def insert_together(
     round trip, atomic by itself, where `bulk_create` of each model in a transaction costs
     BEGIN, an INSERT a model and COMMIT.
 
+    Each column's values travel as one array (`INSERT … SELECT … FROM unnest(…)`, as
+    `bulk_create` does on PostgreSQL): the statement's text and its number of parameters do
+    not grow with the rows, so it is parsed in no time, prepared once for every size, and
+    far below the protocol's 65,535 parameters.
+
     `ctes` (name, SQL, parameters) come first, for `columns` to read from; each returns one
     column, and the answer maps each name to its values. Sets the objects' generated primary
     keys, as `bulk_create` does.
@@ -81,39 +93,21 @@ def insert_together(
     parts = [f"{name} AS ({sql})" for name, sql, _ in ctes]
     params: list[Any] = [p for _, _, cte_params in ctes for p in cte_params]
     # Each part of the answer is tagged: -1, -2, … the CTEs; 0, 1, … the groups' keys.
-    # Names and numbers are ours; every value is a parameter.
+    # Names, types and numbers are ours; every value is a parameter.
     answers = [f"SELECT {-1 - index}, * FROM {name}" for index, (name, _, _) in enumerate(ctes)]  # noqa: S608
     for number, group in enumerate(rows):
         if not group.objs:
             continue
-        meta = group.model._meta
-        pk = meta.pk
-        generated = pk is not None and pk.db_returning
-        fields = [f for f in meta.concrete_fields if not (generated and f is pk)]
-        names = ", ".join(connection.ops.quote_name(f.column or f.name) for f in fields)
-        tuples = []
-        for obj in group.objs:
-            cells = []
-            for f in fields:
-                column = group.columns.get(f.name)
-                if column is None:
-                    cells.append("%s")
-                    params.append(f.get_db_prep_save(f.pre_save(obj, True), connection))
-                else:
-                    sql, column_params = column(obj)
-                    cells.append(sql)
-                    params.extend(column_params)
-            tuples.append(f"({', '.join(cells)})")
-        table = connection.ops.quote_name(meta.db_table)
-        insert = f"INSERT INTO {table} ({names}) VALUES {', '.join(tuples)}"  # noqa: S608
-        if generated:
-            assert pk is not None
-            insert += f" RETURNING {connection.ops.quote_name(pk.column or pk.name)}"
+        insert, arrays = _insert_unnest(group)
+        params.extend(arrays)
+        pk = group.model._meta.pk
+        if pk is not None and pk.db_returning:
+            insert += f" RETURNING {connection.ops.quote_name(pk.column)}"
             answers.append(f"SELECT {number}, * FROM i{number}")  # noqa: S608
         parts.append(f"i{number} AS ({insert})")
     found: dict[int, list[Any]] = {}
     if len(parts) > len(ctes):
-        # Rows come back in the order of their VALUES, as `bulk_create` relies on too.
+        # Rows come back in the order of the arrays, as `bulk_create` relies on too.
         answer = " UNION ALL ".join(answers) or "SELECT -1, NULL WHERE FALSE"
         with connection.cursor() as cursor:
             cursor.execute(f"WITH {', '.join(parts)} {answer}", params)
@@ -127,3 +121,41 @@ def insert_together(
             obj._state.adding = False
             obj._state.db = connection.alias
     return {name: found.get(-1 - index, []) for index, (name, _, _) in enumerate(ctes)}
+
+
+def _insert_unnest(group: Rows) -> tuple[str, list[list[Any]]]:
+    """`INSERT INTO table (…) SELECT … FROM unnest(%s::type[], …)` for the group's objects,
+    and the arrays (one a value or a computed column's input)."""
+    quote = connection.ops.quote_name
+    meta = group.model._meta
+    pk = meta.pk
+    generated = pk is not None and pk.db_returning
+    fields = [f for f in meta.concrete_fields if not (generated and f is pk)]
+    arrays: list[list[Any]] = []
+    types: list[str] = []
+    selected: list[str] = []
+    for f in fields:
+        computed = group.columns.get(f.name)
+        if computed is None:
+            selected.append(f"u.v{len(arrays)}")
+            # The type without its length (varchar, not varchar(200)), as bulk_create does.
+            types.append(str(f.db_type(connection)).split("(")[0])
+            arrays.append(
+                [f.get_db_prep_save(f.pre_save(obj, True), connection) for obj in group.objs]
+            )
+            continue
+        inputs = [computed.values(obj) for obj in group.objs]
+        names = []
+        for index, sql_type in enumerate(computed.types):
+            names.append(f"u.v{len(arrays)}")
+            types.append(sql_type)
+            arrays.append([values[index] for values in inputs])
+        selected.append(f"({computed.sql.format(*names)})")
+    columns = ", ".join(quote(f.column) for f in fields)
+    unnest = ", ".join(f"%s::{sql_type}[]" for sql_type in types)
+    aliases = ", ".join(f"v{index}" for index in range(len(arrays)))
+    sql = (
+        f"INSERT INTO {quote(meta.db_table)} ({columns}) "  # noqa: S608 - names and types
+        f"SELECT {', '.join(selected)} FROM unnest({unnest}) AS u({aliases})"
+    )
+    return sql, arrays

@@ -23,7 +23,7 @@ from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from executor.bulk import Rows, insert_together, update_rows
+from executor.bulk import Computed, Rows, insert_together, update_rows
 from executor.models import EVENT_FORMAT, Event, Step, StepCounter, comparable
 from executor.redaction import redact
 from executor.states import LEASED, State, is_allowed
@@ -398,20 +398,23 @@ def _insert_in_one_statement(by_run: dict[Any, list[Step]], others: Sequence[Row
     """`insert_many` on PostgreSQL: each run's counter moves (`take_positions`), the steps take
     their positions from it, and the other rows go in, in one statement."""
     ctes: list[tuple[str, str, list[Any]]] = []
-    places: dict[Any, tuple[str, int]] = {}  # step id → (its run's CTE, offset in the run)
+    places: dict[Any, tuple[int, int]] = {}  # step id → (its run's number, offset in the run)
     for number, (run_id, run_steps) in enumerate(by_run.items()):
         ctes.append((f"c{number}", *_positions_sql(run_id, len(run_steps))))
         for offset, step in enumerate(run_steps):
-            places[step.pk] = (f"c{number}", offset)
-
-    def position(step: Any) -> tuple[str, list[Any]]:
-        name, offset = places[step.pk]
-        return f"(SELECT first_position FROM {name}) + %s", [offset]  # noqa: S608 - ours
-
+            places[step.pk] = (number, offset)
+    # The run's first position (its counter's CTE, by the run's number) plus the offset.
+    firsts = " ".join(
+        f"WHEN {number} THEN (SELECT first_position FROM c{number})"  # noqa: S608 - ours
+        for number in range(len(by_run))
+    )
+    position = Computed(
+        f"CASE {{0}} {firsts} END + {{1}}", ("integer", "integer"), lambda s: places[s.pk]
+    )
     steps = [step for run_steps in by_run.values() for step in run_steps]
-    firsts = insert_together([Rows(Step, steps, {"position": position}), *others], ctes=ctes)
+    found = insert_together([Rows(Step, steps, {"position": position}), *others], ctes=ctes)
     for number, run_steps in enumerate(by_run.values()):
-        (first,) = firsts[f"c{number}"]
+        (first,) = found[f"c{number}"]
         for offset, step in enumerate(run_steps):
             step.position = first + offset
 

@@ -305,6 +305,32 @@ def test_a_batch_costs_the_same_statements_whatever_its_size(
     assert len(sql_statements(queries)) == POST_STATEMENTS[connection.vendor]
 
 
+@pytest.mark.postgres
+def test_a_batchs_write_is_one_text_with_one_parameter_a_column_whatever_its_size(
+    api: ApiClient, run: Run
+) -> None:
+    # The same text for every size: prepared once on a connection, parsed in no time, and
+    # never near the protocol's 65,535 parameters (each column's values are one array).
+    written: list[tuple[str, int]] = []
+
+    def record(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if sql.startswith("WITH"):
+            written.append((sql, len(params)))
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(record):
+        for size, prefix in ((2, "small"), (500, "large")):
+            response = api.post(
+                batch_url(run), {"steps": [echo(f"{prefix}{i}") for i in range(size)]}
+            )
+            assert response.status_code == 201
+
+    (small_sql, small_params), (large_sql, large_params) = written
+    assert small_sql == large_sql
+    assert small_params == large_params < 200
+    assert Step.objects.filter(run=run).count() == 502
+
+
 # The token, the run, the keys, the grants; then on PostgreSQL one statement that moves the
 # run's step counter and inserts the steps, their events and their approvals; elsewhere the
 # counter, then an INSERT a table.
