@@ -102,7 +102,7 @@ def insert_together(
         params.extend(arrays)
         pk = group.model._meta.pk
         if pk is not None and pk.db_returning:
-            insert += f" RETURNING {connection.ops.quote_name(pk.column)}"
+            insert += f" RETURNING {connection.ops.quote_name(pk.column or pk.name)}"
             answers.append(f"SELECT {number}, * FROM i{number}")  # noqa: S608
         parts.append(f"i{number} AS ({insert})")
     found: dict[int, list[Any]] = {}
@@ -151,7 +151,7 @@ def _insert_unnest(group: Rows) -> tuple[str, list[list[Any]]]:
             types.append(sql_type)
             arrays.append([values[index] for values in inputs])
         selected.append(f"({computed.sql.format(*names)})")
-    columns = ", ".join(quote(f.column) for f in fields)
+    columns = ", ".join(quote(f.column or f.name) for f in fields)
     unnest = ", ".join(f"%s::{sql_type}[]" for sql_type in types)
     aliases = ", ".join(f"v{index}" for index in range(len(arrays)))
     sql = (
