@@ -66,6 +66,10 @@ def ledger_key() -> bytes:
     return key.encode()
 
 
+# The digest of no result (JSON null), as `step_digest` would compute it.
+NO_RESULT_HASH = hashlib.sha256(b"null").hexdigest()
+
+
 def step_digest(
     *,
     run_id: Any,
@@ -77,7 +81,11 @@ def step_digest(
     result: Any,
 ) -> str:
     """A digest of what a step is (DESIGN.md §15), which each Event's hash covers."""
-    result_text = json.dumps(comparable(result), sort_keys=True, separators=(",", ":"))
+    if result is None:
+        result_hash = NO_RESULT_HASH  # a new step's, every one of its first events
+    else:
+        result_text = json.dumps(comparable(result), sort_keys=True, separators=(",", ":"))
+        result_hash = hashlib.sha256(result_text.encode()).hexdigest()
     snapshot = {
         "run": str(run_id),
         "key": key,
@@ -85,7 +93,7 @@ def step_digest(
         "input_hash": input_hash,
         "state": str(state),
         "external_id": external_id,
-        "result": hashlib.sha256(result_text.encode()).hexdigest(),
+        "result": result_hash,
     }
     text = json.dumps(snapshot, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
