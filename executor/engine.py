@@ -23,6 +23,7 @@ import itertools
 import logging
 import os
 import random
+import select
 import socket
 import threading
 import uuid
@@ -34,8 +35,9 @@ from decimal import Decimal
 from functools import cached_property
 from typing import Any
 
+import psycopg
 from django.conf import settings
-from django.db import close_old_connections, connection, transaction
+from django.db import DEFAULT_DB_ALIAS, close_old_connections, connection, connections, transaction
 from django.db.models import F, Q, QuerySet
 from django.utils import timezone
 
@@ -918,17 +920,52 @@ def _call_pool() -> ThreadPoolExecutor:
         return _pool
 
 
+def refresh_connection() -> None:
+    """Django's rules for a connection at the start of a request (too old for CONN_MAX_AGE,
+    left in error or outside autocommit: closed, the next query opens a new one), with the
+    health check CONN_HEALTH_CHECKS asks for made by looking at the socket instead of by a
+    query: a `SELECT 1` is a round trip and, for PostgreSQL, a transaction of its own.
+
+    A connection that sat idle has nothing to read unless the server ended it meanwhile (a
+    restart, `idle_session_timeout`, `pg_terminate_backend`): then its last words, or the
+    end of the stream, are waiting. Such a connection is closed here, before a step uses it.
+    A connection lost without a word (a network gone silent) is found by neither check in
+    time; the step it fails waits for its lease to run out (DESIGN.md §7), as after a crash.
+    """
+    close_old_connections()
+    db = connections[DEFAULT_DB_ALIAS]
+    if db.vendor != "postgresql" or db.connection is None:
+        return
+    if not db.settings_dict.get("CONN_HEALTH_CHECKS"):
+        return
+    if db.connection.closed or _has_news(db.connection):
+        db.close()
+    else:
+        # Django's flag for "checked this request" (not in its type stubs): no SELECT 1.
+        db.health_check_done = True  # type: ignore[attr-defined]
+
+
+def _has_news(pg: Any) -> bool:
+    """Whether anything (or the end of the stream) waits to be read on an idle psycopg
+    connection's socket: no round trip, no wait."""
+    try:
+        fd = pg.pgconn.socket
+        readable, _, failed = select.select([fd], [], [fd], 0)
+    except (OSError, ValueError, psycopg.Error):
+        return True
+    return bool(readable or failed)
+
+
 # Which drain each pool thread last worked for (`_execute_in_thread`).
 _thread_drain = threading.local()
 
 
 def _execute_in_thread(claim: Claim, context: dict[str, Any], drain: int) -> str:
     # A drain is to a pool thread what a request is to a web thread: its connection is
-    # checked (and replaced if stale or broken) once at the start, not before every step:
-    # with CONN_HEALTH_CHECKS each check is a query, one more round trip and commit a step.
+    # checked (and replaced if stale or broken) once at the start, not before every step.
     # After an error it is checked again before the next step.
     if getattr(_thread_drain, "number", None) != drain:
-        close_old_connections()
+        refresh_connection()
         _thread_drain.number = drain
     with logcontext.bound(**context):
         try:

@@ -290,16 +290,10 @@ def test_write_steps_run_in_the_pool_each_called_once(
     assert threads == {"w1"}
 
 
-@pytest.mark.postgres
-@pytest.mark.django_db(transaction=True)
-def test_pool_threads_check_their_connection_once_a_drain_not_once_a_step(
-    agent: Agent, run: Run, settings: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # With CONN_HEALTH_CHECKS (as DATABASE_URL sets them) each check is a query and a commit
-    # of its own: a pool thread checks its connection when a drain first gives it work,
-    # as a web thread does once a request.
-    assert connection.settings_dict["CONN_HEALTH_CHECKS"]
-    settings.EXECUTOR_WRITE_POOL = 2
+@pytest.fixture
+def pool_checks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The threads that asked the database whether their connection is usable (`SELECT 1`,
+    CONN_HEALTH_CHECKS' query), one entry a check."""
     checks: list[str] = []
     wrapper = type(connections["default"])
     real_is_usable = wrapper.is_usable
@@ -309,21 +303,65 @@ def test_pool_threads_check_their_connection_once_a_drain_not_once_a_step(
         return real_is_usable(self)
 
     monkeypatch.setattr(wrapper, "is_usable", is_usable)
-    post_many(agent, run, "test.write", 12)
-    assert engine.drain(worker="w1") == 12  # the pool threads have connections now
-    checks.clear()
+    return checks
+
+
+def again(agent: Agent, run: Run, prefix: str, count: int) -> list[Step]:
     steps, _ = services.steps_post(
         agent=agent,
         run=run,
-        requests=[services.StepRequest(f"again-{i}", "test.write", {"n": i}) for i in range(12)],
+        requests=[
+            services.StepRequest(f"{prefix}-{i}", "test.write", {"n": i}) for i in range(count)
+        ],
     )
+    return steps
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_pool_threads_check_their_connection_by_its_socket_not_by_a_query(
+    agent: Agent, run: Run, settings: Any, pool_checks: list[str]
+) -> None:
+    # CONN_HEALTH_CHECKS (as DATABASE_URL sets them) would make each thread's first query of
+    # a drain a SELECT 1: a round trip, and a transaction of its own, for every write step
+    # drained alone. The pool's threads look at their socket instead.
+    assert connection.settings_dict["CONN_HEALTH_CHECKS"]
+    settings.EXECUTOR_WRITE_POOL = 2
+    post_many(agent, run, "test.write", 12)
+    assert engine.drain(worker="w1") == 12  # the pool threads have connections now
+    pool_checks.clear()
+    steps = again(agent, run, "again", 12)
 
     assert engine.drain(worker="w1") == 12
 
     assert {reload(s).state for s in steps} == {State.COMPLETED}
-    pool_checks = [name for name in checks if name.startswith("stepward-call")]
-    assert pool_checks, checks
-    assert len(pool_checks) == len(set(pool_checks)), checks  # once a thread, not a step
+    assert not [name for name in pool_checks if name.startswith("stepward-call")], pool_checks
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_pool_connection_the_server_ended_between_drains_is_replaced_before_a_step_uses_it(
+    agent: Agent, run: Run, settings: Any
+) -> None:
+    settings.EXECUTOR_WRITE_POOL = 2
+    post_many(agent, run, "test.write", 6)
+    assert engine.drain(worker="w1") == 6
+    with connection.cursor() as cursor:
+        # Every other session on the test database: the pool threads' (as a restart, or
+        # idle_session_timeout, would end them), waiting until each is gone.
+        cursor.execute(
+            "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+        ended = [row[0] for row in cursor.fetchall()]
+    assert ended
+    assert all(ended)
+    steps = again(agent, run, "after", 6)
+
+    assert engine.drain(worker="w1") == 6
+
+    assert {reload(s).state for s in steps} == {State.COMPLETED}
+    assert not Attempt.objects.filter(step__in=steps).exclude(phase=Phase.RESPONDED).exists()
 
 
 @pytest.mark.django_db(transaction=True)
