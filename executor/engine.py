@@ -832,22 +832,35 @@ def schedule_retry(
 
 
 def extend_leases(claims: Sequence[Claim], *, now: datetime) -> list[Claim]:
-    """Extends the leases of `claims` still held (one fenced UPDATE); returns those lost."""
+    """Extends the leases of `claims` still held (one fenced UPDATE); returns those lost to
+    another worker (the step claimed again, under another fence). A claim whose step has
+    simply moved on (completed, or taken by recovery) is neither extended nor lost: its
+    drain releases it."""
     if not claims:
         return []
     held = Q()
     for c in claims:
         held |= Q(pk=c.step.pk, fence=c.fence)
     until = now + timedelta(seconds=lease_seconds())
-    extended = Step.objects.filter(held, state__in=LEASED).update(lease_expires_at=until)
-    if extended == len(claims):
-        return []
-    still = set(
-        Step.objects.filter(held, state__in=LEASED, lease_expires_at=until).values_list(
-            "pk", flat=True
+    with transaction.atomic():
+        # Locked first, in the order every batch locks steps (transitions.move_many): an
+        # UPDATE locks its rows in whatever order its plan meets them, and met the drain's
+        # completion of the same steps the other way round (a deadlock, then leases lost).
+        ours = set(
+            Step.objects.select_for_update(no_key=True)
+            .filter(held, state__in=LEASED)
+            .order_by("pk")
+            .values_list("pk", flat=True)
         )
+        Step.objects.filter(pk__in=ours).update(lease_expires_at=until)
+    if len(ours) == len(claims):
+        return []
+    fences = dict(
+        Step.objects.filter(pk__in=[c.step.pk for c in claims if c.step.pk not in ours])
+        .order_by()
+        .values_list("pk", "fence")
     )
-    return [c for c in claims if c.step.pk not in still]
+    return [c for c in claims if c.step.pk in fences and fences[c.step.pk] != c.fence]
 
 
 class LeaseKeeper:

@@ -270,10 +270,15 @@ def move_many(
     if locked:
         fresh = prepared
     else:
+        # The steps' rows only (the model's order would join, and lock, their runs: a run's
+        # row that every worker's commit checks its foreign keys against), in one order for
+        # every caller (the lease keeper's too), so that two batches never wait on each
+        # other's rows in a cycle; and not against those checks (no key changes here).
         current = {
             pk: (state, version, fence)
-            for pk, state, version, fence in Step.objects.select_for_update()
+            for pk, state, version, fence in Step.objects.select_for_update(no_key=True)
             .filter(pk__in=[m.step.pk for m in moves])
+            .order_by("pk")
             .values_list("pk", "state", "version", "fence")
         }
         fresh = []

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from django.db import connection, connections
 from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 from guardian.shortcuts import assign_perm, remove_perm
 
 from executor import dispatch, engine, recovery, services
@@ -386,3 +387,45 @@ def test_write_steps_that_stored_their_responses_complete_together(agent: Agent,
     assert {reload(s).state for s in steps} == {State.COMPLETED}
     assert Attempt.objects.get(step=taken, worker="A").fenced_out_write == "completed"
     assert len(WriteTool.calls) == 3
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_the_keeper_and_the_completions_lock_a_workers_steps_in_one_order(
+    agent: Agent, run: Run
+) -> None:
+    # The lease keeper (its own thread and connection) and the drain's shared completion
+    # lock the same steps: each in its own order, they deadlocked (seen with two workers on
+    # the desk), PostgreSQL killed one, and its steps waited for their leases to run out.
+    # Every statement that waits for several steps' rows takes them in the same (id) order,
+    # and only the steps' rows: not their run's, which every commit's foreign keys check.
+    post_many(agent, run, "test.write", 4)
+    batch = engine.claim(worker="A", writes=10)
+    for c in batch.claims:
+        assert engine.execute_claimed(c, verify=False) == State.VERIFYING
+
+    with CaptureQueriesContext(connection) as queries:
+        assert engine.extend_leases(batch.claims, now=timezone.now()) == []
+        ends = engine.verify_many(batch.claims)
+
+    assert set(ends.values()) == {State.COMPLETED}
+    locking = [q["sql"] for q in queries.captured_queries if "FOR " in q["sql"]]
+    assert len(locking) == 2, locking
+    for sql in locking:
+        # Ordered by the first column selected, the step's id.
+        assert sql.startswith('SELECT "executor_step"."id"'), sql
+        assert sql.endswith("ORDER BY 1 ASC FOR NO KEY UPDATE"), sql
+        assert "executor_run" not in sql, sql
+
+
+def test_a_claim_whose_step_completed_is_neither_extended_nor_lost(agent: Agent, run: Run) -> None:
+    # The keeper's beat can meet a step the drain has just completed (before the drain lets
+    # go of it): that step is over, not taken by another worker, and says nothing.
+    first, _ = post_many(agent, run, "test.write", 2)
+    claims = engine.claim(worker="A", writes=10).claims
+    for c in claims:
+        assert engine.execute_claimed(c) == State.COMPLETED
+    completed_at = reload(first).lease_expires_at
+
+    assert engine.extend_leases(claims, now=timezone.now()) == []
+    assert reload(first).lease_expires_at == completed_at
