@@ -253,7 +253,9 @@ def claim(
             tool = tools[step.pk]
             if decisions[step.pk].ok and tool is not None and is_light(tool):
                 by_run.setdefault(step.run_id, []).append(step)
-        for steps in by_run.values():
+        # Runs' rows in id order, as every batch takes them: two claims never wait on each
+        # other's runs in a cycle.
+        for _, steps in sorted(by_run.items(), key=lambda item: str(item[0])):
             granted = policy.budget_take_calls(steps[0].run, len(steps), now=now)
             over_budget.update(step.pk for step in steps[granted:])
 
@@ -455,7 +457,7 @@ def persist_light(
                     "cost": {pk: cost for pk, (_, _, cost) in responded.items()},
                 },
             )
-        for run_id, cost in costs.items():
+        for run_id, cost in sorted(costs.items(), key=lambda item: str(item[0])):
             Run.objects.filter(pk=run_id).update(used_cost=F("used_cost") + cost)
         progress.steps_completed([m.step for m in moved], now=now)
         for c, _ in done:
@@ -962,11 +964,11 @@ def _has_news(pg: Any) -> bool:
     """Whether anything (or the end of the stream) waits to be read on an idle psycopg
     connection's socket: no round trip, no wait."""
     try:
-        fd = pg.pgconn.socket
-        readable, _, failed = select.select([fd], [], [fd], 0)
+        poller = select.poll()  # not select.select: it refuses descriptors from 1024 on
+        poller.register(pg.pgconn.socket, select.POLLIN | select.POLLPRI)
+        return bool(poller.poll(0))
     except (OSError, ValueError, psycopg.Error):
         return True
-    return bool(readable or failed)
 
 
 # Which drain each pool thread last worked for (`_execute_in_thread`).

@@ -352,7 +352,8 @@ def test_a_pool_connection_the_server_ended_between_drains_is_replaced_before_a_
         # idle_session_timeout, would end them), waiting until each is gone.
         cursor.execute(
             "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity "
-            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+            "AND backend_type = 'client backend'"
         )
         ended = [row[0] for row in cursor.fetchall()]
     assert ended
@@ -429,3 +430,24 @@ def test_a_claim_whose_step_completed_is_neither_extended_nor_lost(agent: Agent,
 
     assert engine.extend_leases(claims, now=timezone.now()) == []
     assert reload(first).lease_expires_at == completed_at
+
+
+def test_a_claim_counts_its_runs_budgets_in_run_id_order(agent: Agent) -> None:
+    # Two claims that each take calls of the same runs update the runs' rows in one order,
+    # so they never wait on each other in a cycle.
+    runs = [services.run_create(agent=agent, name=f"run {i}")[0] for i in range(4)]
+    for run in reversed(runs):
+        post_many(agent, run, "test.pure", 2)
+
+    with CaptureQueriesContext(connection) as queries:
+        engine.claim(worker="A", light=100)
+
+    updated = [
+        run.pk.hex
+        for q in queries.captured_queries
+        if q["sql"].startswith('UPDATE "executor_run"')
+        for run in runs
+        if run.pk.hex in q["sql"].replace("-", "")
+    ]
+    assert sorted(updated) == sorted(run.pk.hex for run in runs)
+    assert updated == sorted(updated)
