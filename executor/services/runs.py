@@ -108,7 +108,10 @@ def run_cancel(*, run: Run, actor: Agent | str, reason: str = "") -> Run:
             raise NotPermitted("this agent may not cancel runs in its workspace")
         actor = agent_actor(agent)
     with transaction.atomic():
-        locked = Run.objects.select_for_update().get(pk=run.pk)
+        # FOR NO KEY UPDATE: a run's key never changes, and a stronger lock would hold up
+        # every worker commit that inserts an Event of this run (its foreign-key check) while
+        # this one waits on those workers' steps.
+        locked = Run.objects.select_for_update(no_key=True).get(pk=run.pk)
         runs.cancel(locked, actor=actor, reason=reason)
         for step in Step.objects.filter(run=locked, state__in=CANCELLABLE):
             try:
@@ -139,7 +142,7 @@ def run_extend_budget(
         raise Invalid("a budget can only be extended")
     now = timezone.now()
     with transaction.atomic():
-        locked = Run.objects.select_for_update().get(pk=run.pk)
+        locked = Run.objects.select_for_update(no_key=True).get(pk=run.pk)
         if locked.version != version:
             raise run_already_handled(locked)
         if locked.status == RunStatus.CANCELLED:
