@@ -834,10 +834,10 @@ def schedule_retry(
 
 
 def extend_leases(claims: Sequence[Claim], *, now: datetime) -> list[Claim]:
-    """Extends the leases of `claims` still held (one fenced UPDATE); returns those lost to
-    another worker (the step claimed again, under another fence). A claim whose step has
-    simply moved on (completed, or taken by recovery) is neither extended nor lost: its
-    drain releases it."""
+    """Extends the leases of `claims` still held (their rows locked in id order, then one
+    UPDATE, in one transaction); returns those lost to another worker (the step claimed
+    again, under another fence). A claim whose step has simply moved on (completed, or taken
+    by recovery) is neither extended nor lost: its drain releases it."""
     if not claims:
         return []
     held = Q()
@@ -868,7 +868,7 @@ def extend_leases(claims: Sequence[Claim], *, now: datetime) -> list[Claim]:
 class LeaseKeeper:
     """Extends the leases of the claims a worker holds while it works on them.
 
-    One thread and one UPDATE every third of the lease for all of them, however many; a
+    One thread and one transaction every third of the lease for all of them, however many; a
     claim whose lease another worker took over is marked `lost` (its fenced writes will be
     refused anyway) and dropped.
     """
