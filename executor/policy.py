@@ -79,6 +79,8 @@ class Facts:
 
     grants: set[tuple[int, str, int | None, str]] = field(default_factory=set)
     approvals: dict[Any, Approval] = field(default_factory=dict)
+    # approval_version by (workspace, tool): the same for every step of a batch.
+    _versions: dict[tuple[int, str], str] = field(default_factory=dict, repr=False)
 
     def holds(
         self, user_id: int, codename: str, *, workspace_id: int | None = None, tool: str = ""
@@ -105,7 +107,10 @@ class Facts:
         return policy.needs_person(tool, input)
 
     def approval_version(self, workspace_id: int, tool: ToolContract) -> str:
-        return approval_version(tool, self.approval_policy(workspace_id, tool))
+        key = (workspace_id, tool.name)
+        if key not in self._versions:
+            self._versions[key] = approval_version(tool, self.approval_policy(workspace_id, tool))
+        return self._versions[key]
 
 
 def read_facts(steps: Sequence[Step]) -> Facts:

@@ -131,7 +131,6 @@ def _steps_post_once(
     # Each new step, the policy version that approved it (None: a person must), its history.
     new: list[tuple[Step, str | None, list[transitions.Posted]]] = []
     seen: dict[str, Step] = {}
-    versions: dict[str, str] = {}  # each tool's policy version, computed once a request
     now = timezone.now()
     actor = agent_actor(agent)
     for index, (request, tool) in enumerate(zip(requests, tools, strict=True)):
@@ -163,9 +162,7 @@ def _steps_post_once(
             depends_on=depends_on,
         )
         needs_person = may.needs_person(run.workspace_id, tool, request.input)
-        if request.tool not in versions:
-            versions[request.tool] = may.approval_version(run.workspace_id, tool)
-        version = versions[request.tool]
+        version = may.approval_version(run.workspace_id, tool)
         history = _posted_history(
             step, known, seen, needs_person=needs_person, version=version, actor=actor, now=now
         )
