@@ -298,11 +298,7 @@ def budget_take_calls(run: Run, count: int, *, now: datetime) -> int:
     for _ in range(5):
         if count <= 0:
             return 0
-        room = Q(status=RunStatus.OPEN)
-        room &= Q(max_calls__isnull=True) | Q(used_calls__lte=F("max_calls") - count)
-        room &= Q(max_cost__isnull=True) | Q(used_cost__lt=F("max_cost"))
-        room &= Q(deadline__isnull=True) | Q(deadline__gt=now)
-        taken = Run.objects.filter(room, pk=run.pk).update(
+        taken = Run.objects.filter(call_room(count, now=now), pk=run.pk).update(
             used_calls=F("used_calls") + count, updated_at=now
         )
         if taken == 1:
@@ -313,6 +309,26 @@ def budget_take_calls(run: Run, count: int, *, now: datetime) -> int:
         assert fresh.max_calls is not None  # the only limit that can leave partial room
         count = min(count, fresh.max_calls - fresh.used_calls)
     return 0
+
+
+def call_room(count: int, *, now: datetime) -> Q:
+    """The runs whose budget has room for `count` more calls at `now`."""
+    room = Q(status=RunStatus.OPEN)
+    room &= Q(max_calls__isnull=True) | Q(used_calls__lte=F("max_calls") - count)
+    room &= Q(max_cost__isnull=True) | Q(used_cost__lt=F("max_cost"))
+    room &= Q(deadline__isnull=True) | Q(deadline__gt=now)
+    return room
+
+
+# `call_room(1, now=…)` as SQL over a run's columns, for a statement that takes one call
+# together with other writes (the engine's `submitting` commit on PostgreSQL). Parameters:
+# %(open)s, the open status; %(now)s, the time. A test holds the two to the same answers.
+ONE_CALL_ROOM_SQL = (
+    "status = %(open)s"
+    " AND (max_calls IS NULL OR used_calls <= max_calls - 1)"
+    " AND (max_cost IS NULL OR used_cost < max_cost)"
+    " AND (deadline IS NULL OR deadline > %(now)s)"
+)
 
 
 def budget_take_call(run: Run, *, now: datetime) -> bool:

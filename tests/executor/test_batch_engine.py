@@ -4,6 +4,7 @@ checked row by row, and concurrent drainers never sharing a step."""
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,6 +41,10 @@ def post_many(agent: Agent, run: Run, tool: str, count: int) -> list[Step]:
     return steps
 
 
+# A statement of data-modifying CTEs (`WITH … AS (UPDATE …)`) writes too.
+WRITES_IN_CTE = re.compile(r"\b(INSERT|UPDATE|DELETE)\b")
+
+
 @contextmanager
 def commits() -> Iterator[list[str]]:
     """Counts this connection's write transactions: the commits of atomic blocks, and each
@@ -52,9 +57,11 @@ def commits() -> Iterator[list[str]]:
         real_commit()
 
     def autocommitted(execute: Any, sql: str, *args: Any) -> Any:
-        if not connection.in_atomic_block and sql.lstrip().upper().startswith(
-            ("INSERT", "UPDATE", "DELETE")
-        ):
+        text = sql.lstrip().upper()
+        writes = text.startswith(("INSERT", "UPDATE", "DELETE")) or (
+            text.startswith("WITH") and WRITES_IN_CTE.search(text) is not None
+        )
+        if not connection.in_atomic_block and writes:
             seen.append(sql)
         return execute(sql, *args)
 

@@ -7,11 +7,13 @@ from datetime import timedelta
 from decimal import Decimal
 
 import pytest
+from django.db import connection
 from django.utils import timezone
 
-from executor import dispatch, engine, services, sweeper
+from executor import dispatch, engine, policy, services, sweeper
 from executor.models import Agent, Attempt, Run, RunStatus, Step
 from executor.states import State
+from executor.tools.base import Invocation, ToolResult
 from tests.support import tooling
 from tests.support.tooling import CostlyTool, PureTool, WriteTool, post, reload
 
@@ -121,3 +123,98 @@ def test_run_without_budget_limits_counts_usage_only(agent: Agent, run: Run) -> 
 
     fresh = Run.objects.get(pk=run.pk)
     assert (fresh.status, fresh.used_calls, fresh.used_cost) == (RunStatus.OPEN, 3, Decimal(3))
+
+
+@pytest.mark.parametrize("spent", ["max_calls", "cancelled"])
+def test_a_write_whose_run_ran_out_after_its_claim_is_never_called(
+    agent: Agent, spent: str
+) -> None:
+    # The claim found room; by the `submitting` commit there is none: nothing is sent, the
+    # step waits (or is cancelled), and the call is not counted.
+    run, _ = services.run_create(agent=agent, name="raced", max_calls=5)
+    step = post(agent, run, "test.write")
+    claim = engine.claim_step(step.pk, worker="w1")
+    assert isinstance(claim, engine.Claim)
+    if spent == "max_calls":
+        Run.objects.filter(pk=run.pk).update(used_calls=5)
+    else:
+        services.run_cancel(run=run, actor="test", reason="no longer needed")
+
+    outcome = engine.execute_claimed(claim)
+
+    fresh = Run.objects.get(pk=run.pk)
+    attempt = Attempt.objects.get(pk=claim.attempt.pk)
+    assert WriteTool.calls == []
+    assert attempt.submitted_at is None
+    if spent == "max_calls":
+        assert outcome == reload(step).state == State.PENDING
+        assert (fresh.status, fresh.used_calls) == (RunStatus.PAUSED, 5)
+        assert (attempt.phase, attempt.error_class) == ("abandoned", "budget")
+    else:
+        assert outcome == reload(step).state == State.CANCELLED
+        assert (fresh.used_calls, attempt.phase, attempt.error_class) == (0, "abandoned", "cancel")
+
+
+def test_the_submitting_commit_counts_the_call_and_extends_the_lease(agent: Agent) -> None:
+    run, _ = services.run_create(agent=agent, name="counted", max_calls=5)
+    step = post(agent, run, "test.write")
+    claim = engine.claim_step(step.pk, worker="w1")
+    assert isinstance(claim, engine.Claim)
+    leased_until = reload(step).lease_expires_at
+    seen: list[tuple[str, int, bool]] = []
+
+    def observe(call: Invocation) -> ToolResult:
+        # What the ledger says while the tool runs: the call is counted before it is made.
+        attempt = Attempt.objects.get(pk=claim.attempt.pk)
+        fresh = Run.objects.get(pk=run.pk)
+        seen.append((attempt.phase, fresh.used_calls, reload(step).lease_expires_at > leased_until))
+        return ToolResult(result={}, external_id="seen")
+
+    WriteTool.will(observe)
+    assert engine.execute_claimed(claim) == State.COMPLETED
+
+    assert seen == [("submitting", 1, True)]
+    assert Attempt.objects.get(pk=claim.attempt.pk).request_evidence != {}
+
+
+def test_the_one_call_room_sql_answers_as_the_budget_check_does(agent: Agent) -> None:
+    # The `submitting` statement on PostgreSQL takes a call where `call_room(1)` has room.
+    run, _ = services.run_create(agent=agent, name="room")
+    now = timezone.now()
+    table = Run._meta.db_table
+    sql = f"SELECT EXISTS (SELECT 1 FROM {table} WHERE id = %(run)s AND {policy.ONE_CALL_ROOM_SQL})"
+    checked = 0
+    for status in (RunStatus.OPEN, RunStatus.PAUSED, RunStatus.CANCELLED):
+        for max_calls, used_calls in ((None, 7), (3, 2), (3, 3), (3, 4)):
+            for max_cost, used_cost in ((None, "9"), ("2.5", "2.4999"), ("2.5", "2.5"), ("1", "3")):
+                for deadline in (None, now + timedelta(seconds=1), now, now - timedelta(seconds=1)):
+                    Run.objects.filter(pk=run.pk).update(
+                        status=status,
+                        max_calls=max_calls,
+                        used_calls=used_calls,
+                        max_cost=None if max_cost is None else Decimal(max_cost),
+                        used_cost=Decimal(used_cost),
+                        deadline=deadline,
+                    )
+                    expected = Run.objects.filter(policy.call_room(1, now=now), pk=run.pk).exists()
+                    with connection.cursor() as cursor:
+                        cursor.execute(
+                            sql,
+                            {
+                                "run": Run._meta.pk.get_db_prep_value(run.pk, connection),
+                                "open": str(RunStatus.OPEN),
+                                "now": now,
+                            },
+                        )
+                        (answer,) = cursor.fetchone()
+                    assert bool(answer) == expected, (
+                        status,
+                        max_calls,
+                        used_calls,
+                        max_cost,
+                        used_cost,
+                        deadline,
+                    )
+                    checked += expected
+    # Room only when open, with calls (2 of 4 cases), cost (2 of 4) and time (2 of 4) left.
+    assert checked == 1 * 2 * 2 * 2
