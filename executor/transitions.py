@@ -23,7 +23,7 @@ from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from executor.bulk import Computed, Rows, insert_together, update_rows
+from executor.bulk import Computed, Rows, insert_together, update_rows, update_sql
 from executor.models import EVENT_FORMAT, Event, Step, StepCounter, comparable
 from executor.redaction import redact
 from executor.states import LEASED, State, is_allowed
@@ -168,26 +168,8 @@ def move(
     in-memory `step` is updated and returned; otherwise `TransitionError` is raised and
     neither the step nor the ledger changed.
     """
-    source = State(step.state)
     now = now or timezone.now()
-    changes = checked_changes(step, target, changes)
-    if target != source:
-        changes["state_since"] = now
-    new_version = step.version + 1
-    event = build_event(
-        step,
-        seq=new_version,
-        source=source,
-        target=target,
-        actor=actor,
-        reason=reason,
-        data=data,
-        at=now,
-        changes=changes,
-    )
-    guard: dict[str, Any] = {"pk": step.pk, "state": source, "version": step.version}
-    if fence is not None:
-        guard["fence"] = fence
+    changes, event, guard = _prepare(step, target, actor, reason, fence, changes, data, now)
     if lease_expired_by is not None:
         guard["lease_expires_at__lte"] = lease_expired_by
     with transaction.atomic():
@@ -203,6 +185,79 @@ def move(
         event.save(force_insert=True)
     _moved(step, target, changes, event, now)
     return step
+
+
+def _prepare(
+    step: Step,
+    target: State,
+    actor: str,
+    reason: str,
+    fence: int | None,
+    changes: dict[str, Any] | None,
+    data: dict[str, Any] | None,
+    now: datetime,
+) -> tuple[dict[str, Any], Event, dict[str, Any]]:
+    """A move's written fields, its Event and the guard its UPDATE is conditional on."""
+    source = State(step.state)
+    changes = checked_changes(step, target, changes)
+    if target != source:
+        changes["state_since"] = now
+    event = build_event(
+        step,
+        seq=step.version + 1,
+        source=source,
+        target=target,
+        actor=actor,
+        reason=reason,
+        data=data,
+        at=now,
+        changes=changes,
+    )
+    guard: dict[str, Any] = {"pk": step.pk, "state": source, "version": step.version}
+    if fence is not None:
+        guard["fence"] = fence
+    return changes, event, guard
+
+
+@dataclass
+class PlannedMove:
+    """`move` as parts of one statement (PostgreSQL), for a commit that writes more than the
+    step: `sql` is the step's conditional UPDATE, answering a row when it moved; `event` is
+    to be inserted in the same statement only then (`Rows(where=…)`). `done()` updates the
+    in-memory step once the statement says it moved."""
+
+    step: Step
+    target: State
+    changes: dict[str, Any]
+    event: Event
+    sql: str
+    params: list[Any]
+
+    def done(self) -> Step:
+        _moved(self.step, self.target, self.changes, self.event, self.event.created_at)
+        return self.step
+
+
+def plan_move(
+    step: Step,
+    target: State,
+    *,
+    actor: str,
+    reason: str = "",
+    fence: int | None = None,
+    changes: dict[str, Any] | None = None,
+    data: dict[str, Any] | None = None,
+    now: datetime,
+) -> PlannedMove:
+    """The parts of `move(step, target, …)` for a statement of CTEs (see PlannedMove)."""
+    changes, event, guard = _prepare(step, target, actor, reason, fence, changes, data, now)
+    sql, params = update_sql(
+        Step,
+        {"state": target, "head_hash": event.hash, "updated_at": now, **changes},
+        increments={"version": 1},
+        where=guard,
+    )
+    return PlannedMove(step, target, changes, event, sql, params)
 
 
 def checked_changes(step: Step, target: State, changes: dict[str, Any] | None) -> dict[str, Any]:

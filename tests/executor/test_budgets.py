@@ -9,11 +9,13 @@ from decimal import Decimal
 import pytest
 from django.db import connection
 from django.utils import timezone
+from guardian.shortcuts import assign_perm
 
-from executor import dispatch, engine, policy, services, sweeper
+from executor import dispatch, engine, policy, recovery, services, sweeper
 from executor.models import Agent, Attempt, Run, RunStatus, Step
+from executor.models import Tool as ToolRow
 from executor.states import State
-from executor.tools.base import Invocation, ToolResult
+from executor.tools.base import Effect, Idempotency, Invocation, ToolResult, register, unregister
 from tests.support import tooling
 from tests.support.tooling import CostlyTool, PureTool, WriteTool, post, reload
 
@@ -218,3 +220,66 @@ def test_the_one_call_room_sql_answers_as_the_budget_check_does(agent: Agent) ->
                     checked += expected
     # Room only when open, with calls (2 of 4 cases), cost (2 of 4) and time (2 of 4) left.
     assert checked == 1 * 2 * 2 * 2
+
+
+class CostlyWriteTool(tooling.ScriptedTool):
+    """A keyed write whose calls cost 1.5: its cost is counted where its response is stored."""
+
+    name = "test.costly_write"
+    effect = Effect.WRITE
+    idempotency = Idempotency.KEY
+
+    def cost(self, result: ToolResult) -> Decimal:
+        return Decimal("1.5")
+
+
+@pytest.fixture
+def costly_write(agent: Agent) -> Iterator[type[CostlyWriteTool]]:
+    CostlyWriteTool.reset()
+    register(CostlyWriteTool)
+    try:
+        services.tools_sync()
+        assign_perm("executor.use_tool", agent.user, ToolRow.objects.get(name=CostlyWriteTool.name))
+        yield CostlyWriteTool
+    finally:
+        unregister(CostlyWriteTool.name)
+
+
+def test_a_writes_cost_is_counted_with_its_response_and_pauses_the_run_after_it(
+    agent: Agent, costly_write: type[CostlyWriteTool]
+) -> None:
+    run, _ = services.run_create(agent=agent, name="costly writes", max_cost=Decimal("2.5"))
+    steps = [post(agent, run, costly_write.name) for _ in range(3)]
+
+    for step in steps:
+        engine.process(step.pk, worker="w1")
+
+    # The first leaves 1 of 2.5; the second starts within budget and crosses it.
+    assert states(run) == [State.COMPLETED, State.COMPLETED, State.PENDING]
+    fresh = Run.objects.get(pk=run.pk)
+    assert (fresh.status, fresh.used_cost, fresh.used_calls) == (RunStatus.PAUSED, Decimal(3), 2)
+    assert sorted(Attempt.objects.filter(step__run=run).values_list("cost", flat=True)) == [
+        Decimal("1.5"),
+        Decimal("1.5"),
+    ]
+
+
+def test_a_fenced_out_writes_cost_is_not_counted(
+    agent: Agent, costly_write: type[CostlyWriteTool]
+) -> None:
+    run, _ = services.run_create(agent=agent, name="costly writes", max_cost=Decimal(10))
+    step = post(agent, run, costly_write.name)
+    claim_a = engine.claim_step(step.pk, worker="A")
+    assert isinstance(claim_a, engine.Claim)
+    tooling.submit(claim_a)
+    late_answer = tooling.call_tool(claim_a)
+    tooling.expire_lease(step)
+    assert recovery.recover_expired(step.pk, actor="sweeper") == State.PENDING
+    assert isinstance(engine.claim_step(step.pk, worker="B"), engine.Claim)
+
+    assert engine.persist_response(claim_a, late_answer) == engine.Outcome.FENCED_OUT
+
+    assert Run.objects.get(pk=run.pk).used_cost == Decimal(0)
+    refused = Attempt.objects.get(pk=claim_a.attempt.pk)
+    assert (refused.cost, refused.fenced_out_write) == (Decimal(0), "responded")
+    assert reload(step).state == State.RUNNING
