@@ -406,7 +406,7 @@ def _invoke_all(claims: Sequence[Claim]) -> list[ToolResult | BaseException]:
     reads = [c for c in claims if c.tool.effect == Effect.READ]
     futures: dict[int, Future[ToolResult | BaseException]] = {}
     if len(reads) > 1 and settings.EXECUTOR_WRITE_POOL > 0:
-        pool = _call_pool()
+        pool = _read_pool()
         futures = {id(c): pool.submit(_invoke_one, c) for c in reads}
     return [futures[id(c)].result() if id(c) in futures else _invoke_one(c) for c in claims]
 
@@ -528,27 +528,45 @@ def execute_claimed(claim: Claim, *, verify: bool = True) -> str:
 
 
 def _execute_claimed(claim: Claim, *, verify: bool) -> str:
+    if is_light(claim.tool):
+        return run_light([claim])[claim.step.pk]
+    stopped = submit(claim, now=timezone.now())
+    if stopped is not None:
+        return stopped
+    answer = _invoke_one(claim)
+    if isinstance(answer, ToolResult):
+        return persist_response(claim, answer, verify=verify)
+    return handle_failure(claim, answer)
+
+
+# How often a write's `submitting` statement is tried when the run had no room for its call
+# but has some when read again (resumed or extended meanwhile), as budget_take_calls does.
+SUBMIT_TRIES = 5
+
+
+def submit(claim: Claim, *, now: datetime) -> str | None:
+    """Commit point 4 of a write (DESIGN.md §5): the lease still held, the call counted, the
+    attempt `submitting`. None when the tool may now be called; otherwise where the step
+    ended: FENCED_OUT (nothing written), or back to `pending` with the run paused (no
+    budget), or `cancelled` (the run was)."""
     step, attempt, tool = claim.step, claim.attempt, claim.tool
-    if is_light(tool):
-        return run_light([claim])[step.pk]
-    now = timezone.now()
-    if connection.vendor == "postgresql":
-        held, counted = _submit_in_one_statement(claim, now=now)
-        if not held:
-            return record_fenced_out(attempt, "submitting")
-        if not counted:
-            with transaction.atomic():
-                return stop_before_submit(step, attempt, now=now)
-    else:
+    if connection.vendor != "postgresql":
         with transaction.atomic():
             if not still_holds_lease(claim, now=now):
                 return record_fenced_out(attempt, "submitting")
             if not mark_submitting(step, attempt, tool, now=now):
                 return stop_before_submit(step, attempt, now=now)
-    answer = _invoke_one(claim)
-    if isinstance(answer, ToolResult):
-        return persist_response(claim, answer, verify=verify)
-    return handle_failure(claim, answer)
+        return None
+    for _ in range(SUBMIT_TRIES):
+        held, counted = _submit_in_one_statement(claim, now=now)
+        if not held:
+            return record_fenced_out(attempt, "submitting")
+        if counted:
+            return None
+        if policy.budget_exhaustion(step.run, now=now):
+            break
+    with transaction.atomic():
+        return stop_before_submit(step, attempt, now=now)
 
 
 @cache
@@ -1049,12 +1067,13 @@ class LeaseKeeper:
 # --- the worker pool and the drain --------------------------------------------------------
 
 _pool: ThreadPoolExecutor | None = None
+_reads: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
 def _call_pool() -> ThreadPoolExecutor:
-    """The process's threads for write steps and concurrent reads (made on first use, after
-    a worker process forks; each thread keeps its own database connection)."""
+    """The process's threads for write steps (made on first use, after a worker process
+    forks; each thread keeps its own database connection)."""
     global _pool
     with _pool_lock:
         if _pool is None:
@@ -1063,6 +1082,20 @@ def _call_pool() -> ThreadPoolExecutor:
                 thread_name_prefix="stepward-call",
             )
         return _pool
+
+
+def _read_pool() -> ThreadPoolExecutor:
+    """The process's threads for a batch's read calls, apart from the write pool, whose
+    queue holds the writes' backlog: a batch's reads never wait behind it. They only call
+    the tool; the batch's outcomes are persisted by the thread that claimed them."""
+    global _reads
+    with _pool_lock:
+        if _reads is None:
+            _reads = ThreadPoolExecutor(
+                max_workers=max(1, settings.EXECUTOR_WRITE_POOL),
+                thread_name_prefix="stepward-read",
+            )
+        return _reads
 
 
 def refresh_connection() -> None:

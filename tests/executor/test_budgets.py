@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from datetime import timedelta
 from decimal import Decimal
+from typing import Any
 
 import pytest
 from django.db import connection
@@ -157,6 +158,7 @@ def test_a_write_whose_run_ran_out_after_its_claim_is_never_called(
         assert (fresh.used_calls, attempt.phase, attempt.error_class) == (0, "abandoned", "cancel")
 
 
+@pytest.mark.django_db(transaction=True)
 def test_the_submitting_commit_counts_the_call_and_extends_the_lease(agent: Agent) -> None:
     run, _ = services.run_create(agent=agent, name="counted", max_calls=5)
     step = post(agent, run, "test.write")
@@ -170,6 +172,8 @@ def test_the_submitting_commit_counts_the_call_and_extends_the_lease(agent: Agen
         attempt = Attempt.objects.get(pk=claim.attempt.pk)
         fresh = Run.objects.get(pk=run.pk)
         seen.append((attempt.phase, fresh.used_calls, reload(step).lease_expires_at > leased_until))
+        # Committed, not merely written: no transaction is open while the tool runs.
+        assert not connection.in_atomic_block
         return ToolResult(result={}, external_id="seen")
 
     WriteTool.will(observe)
@@ -283,3 +287,34 @@ def test_a_fenced_out_writes_cost_is_not_counted(
     refused = Attempt.objects.get(pk=claim_a.attempt.pk)
     assert (refused.cost, refused.fenced_out_write) == (Decimal(0), "responded")
     assert reload(step).state == State.RUNNING
+
+
+@pytest.mark.postgres
+def test_a_run_given_room_after_its_submitting_statement_found_none_takes_the_call(
+    agent: Agent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The statement finds the run spent; by the time the engine reads the run again, it was
+    # extended (a reviewer, or the agent): the call is taken, the run is not paused.
+    run, _ = services.run_create(agent=agent, name="extended meanwhile", max_calls=1)
+    step = post(agent, run, "test.write")
+    claim = engine.claim_step(step.pk, worker="w1")
+    assert isinstance(claim, engine.Claim)
+    statement = engine._submit_in_one_statement
+    answers: list[tuple[bool, bool]] = []
+
+    def extended_meanwhile(claim: engine.Claim, *, now: Any) -> tuple[bool, bool]:
+        if not answers:
+            Run.objects.filter(pk=run.pk).update(used_calls=1)
+        answer = statement(claim, now=now)
+        if not answers:
+            Run.objects.filter(pk=run.pk).update(max_calls=2)
+        answers.append(answer)
+        return answer
+
+    monkeypatch.setattr(engine, "_submit_in_one_statement", extended_meanwhile)
+
+    assert engine.execute_claimed(claim) == State.COMPLETED
+    assert answers == [(True, False), (True, True)]
+    fresh = Run.objects.get(pk=run.pk)
+    assert (fresh.status, fresh.used_calls) == (RunStatus.OPEN, 2)
+    assert len(WriteTool.calls) == 1

@@ -114,10 +114,7 @@ def claim(step: Step) -> engine.Claim:
 
 
 def submit(claimed: engine.Claim) -> None:
-    with transaction.atomic():
-        assert engine.mark_submitting(
-            claimed.step, claimed.attempt, claimed.tool, now=timezone.now()
-        )
+    assert engine.submit(claimed, now=timezone.now()) is None
 
 
 def planned(agent: Agent, run: Run, key: str = "plan", tool: str = "console.gated") -> Step:

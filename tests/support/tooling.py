@@ -307,9 +307,7 @@ def attempts(step: Step) -> list[Attempt]:
 
 def submit(claim: engine.Claim) -> None:
     """Commit point 4 of a write, as the claim's worker does it just before calling the tool."""
-    with transaction.atomic():
-        assert engine.still_holds_lease(claim, now=timezone.now())
-        assert engine.mark_submitting(claim.step, claim.attempt, claim.tool, now=timezone.now())
+    assert engine.submit(claim, now=timezone.now()) is None
 
 
 def call_tool(claim: engine.Claim) -> ToolResult:
