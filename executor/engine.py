@@ -1066,36 +1066,31 @@ class LeaseKeeper:
 
 # --- the worker pool and the drain --------------------------------------------------------
 
-_pool: ThreadPoolExecutor | None = None
-_reads: ThreadPoolExecutor | None = None
+# The process's thread pools, by name (made on first use, after a worker process forks).
+_pools: dict[str, ThreadPoolExecutor] = {}
 _pool_lock = threading.Lock()
 
 
-def _call_pool() -> ThreadPoolExecutor:
-    """The process's threads for write steps (made on first use, after a worker process
-    forks; each thread keeps its own database connection)."""
-    global _pool
+def _threads(name: str) -> ThreadPoolExecutor:
     with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(
+        if name not in _pools:
+            _pools[name] = ThreadPoolExecutor(
                 max_workers=max(1, settings.EXECUTOR_WRITE_POOL),
-                thread_name_prefix="stepward-call",
+                thread_name_prefix=f"stepward-{name}",
             )
-        return _pool
+        return _pools[name]
+
+
+def _call_pool() -> ThreadPoolExecutor:
+    """The process's threads for write steps; each thread keeps its own database connection."""
+    return _threads("call")
 
 
 def _read_pool() -> ThreadPoolExecutor:
     """The process's threads for a batch's read calls, apart from the write pool, whose
     queue holds the writes' backlog: a batch's reads never wait behind it. They only call
     the tool; the batch's outcomes are persisted by the thread that claimed them."""
-    global _reads
-    with _pool_lock:
-        if _reads is None:
-            _reads = ThreadPoolExecutor(
-                max_workers=max(1, settings.EXECUTOR_WRITE_POOL),
-                thread_name_prefix="stepward-read",
-            )
-        return _reads
+    return _threads("read")
 
 
 def refresh_connection() -> None:
