@@ -20,8 +20,9 @@ from executor import dispatch, engine, recovery, services
 from executor.models import Agent, Attempt, Phase, Run, RunStatus, Step, Workspace
 from executor.models import Tool as ToolRow
 from executor.states import State
+from executor.tools.base import Invocation, ToolResult
 from tests.support import tooling
-from tests.support.tooling import PureTool, WriteTool, expire_lease, reload
+from tests.support.tooling import PureTool, ReadTool, WriteTool, expire_lease, reload
 
 pytestmark = pytest.mark.django_db
 
@@ -458,3 +459,26 @@ def test_a_claim_counts_its_runs_budgets_in_run_id_order(agent: Agent) -> None:
     ]
     assert sorted(updated) == sorted(run.pk.hex for run in runs)
     assert updated == sorted(updated)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_batchs_reads_are_called_at_once_on_threads_of_their_own(
+    agent: Agent, run: Run, settings: Any
+) -> None:
+    settings.EXECUTOR_WRITE_POOL = 3
+    steps = post_many(agent, run, "test.read", 6)
+    threads: list[str] = []
+
+    def read(call: Invocation) -> ToolResult:
+        threads.append(threading.current_thread().name)
+        return ToolResult(result={"read": call.input})
+
+    ReadTool.will(*[read] * 6)
+
+    assert engine.drain(worker="w1") == 6
+
+    assert {reload(s).state for s in steps} == {State.COMPLETED}
+    assert len(ReadTool.calls) == 6
+    # Not the write pool's threads, whose queue holds the writes' backlog.
+    assert len(threads) == 6
+    assert all(name.startswith("stepward-read") for name in threads), threads
