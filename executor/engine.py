@@ -646,6 +646,22 @@ def close_attempt(
     cost: Decimal | None = None,
     now: datetime | None = None,
 ) -> None:
+    fields = closing_fields(
+        phase, error_class=error_class, message=message, response=response, cost=cost, now=now
+    )
+    Attempt.objects.filter(pk=attempt.pk, phase__in=OPEN_PHASES).update(**fields)
+
+
+def closing_fields(
+    phase: Phase,
+    *,
+    error_class: str = "",
+    message: str = "",
+    response: dict[str, Any] | None = None,
+    cost: Decimal | None = None,
+    now: datetime | None = None,
+) -> dict[str, Any]:
+    """What closing an attempt in `phase` writes (`close_attempt`, the responded statement)."""
     fields: dict[str, Any] = {
         "phase": phase,
         "error_class": error_class,
@@ -656,7 +672,7 @@ def close_attempt(
         fields["response_evidence"] = response
     if cost is not None:
         fields["cost"] = cost
-    Attempt.objects.filter(pk=attempt.pk, phase__in=OPEN_PHASES).update(**fields)
+    return fields
 
 
 def persist_response(claim: Claim, result: ToolResult, *, verify: bool = True) -> str:
@@ -725,15 +741,7 @@ def _respond_in_one_statement(
         step, State.VERIFYING, fence=claim.fence, now=now, **_responded(claim, result, actor)
     )
     if_moved = "EXISTS (SELECT FROM moved)"
-    closed: dict[str, Any] = {
-        "phase": Phase.RESPONDED,
-        "error_class": "",
-        "error_message": "",
-        "finished_at": now,
-        "response_evidence": evidence,
-    }
-    if cost is not None:
-        closed["cost"] = cost
+    closed = closing_fields(Phase.RESPONDED, response=evidence, cost=cost, now=now)
     ctes = [
         ("moved", moved.sql, moved.params),
         (
