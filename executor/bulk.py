@@ -9,11 +9,14 @@ for every row stay plain values, and only the ones that differ become a CASE.
 
 from __future__ import annotations
 
+import operator
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
-from django.db import connection, connections
+from django.db import connection, connections, models
 from django.db.models import Case, Field, Model, QuerySet, Value, When
 from django.db.models.expressions import RawSQL
 from django.db.models.functions import Cast
@@ -206,43 +209,146 @@ def _array_type(f: Field[Any, Any], db: Any) -> str:
     return str(f.db_type(db)).split("(")[0]
 
 
-def _insert_unnest(group: Rows) -> tuple[str, list[list[Any]]]:
+# Field classes whose `get_db_prep_save` hands a value of exactly these Python types back
+# unchanged on PostgreSQL (str for text, a UUID where the backend stores uuids natively, an
+# aware datetime): `_prepare` skips the call for them. (Not integers: psycopg's adapter
+# wraps them in their SQL type.) Exact classes
+# only: a subclass may prepare its values its own way. tests/executor/test_bulk.py checks
+# this against `get_db_prep_save` for every field of the models inserted in bulk.
+_SENT_AS_THEY_ARE: dict[type[Field[Any, Any]], type] = {
+    models.CharField: str,
+    models.TextField: str,
+    models.UUIDField: uuid.UUID,
+    models.DateTimeField: datetime,
+}
+
+
+def _prepare(f: Field[Any, Any], db: Any) -> Callable[[Any], Any]:
+    """`f.get_db_prep_save` for one column's values, skipping it where it would hand a
+    value back unchanged (`_SENT_AS_THEY_ARE`; None where the field is nullable)."""
+    target = f.target_field if isinstance(f, models.ForeignKey) else f
+    prep = f.get_db_prep_save
+    kind = _SENT_AS_THEY_ARE.get(type(target))
+    if (
+        db.vendor != "postgresql"
+        or kind is None
+        or (kind is uuid.UUID and not db.features.has_native_uuid_field)
+    ):
+        return lambda value: prep(value, db)
+    none_ok = f.null
+    aware_only = kind is datetime  # a naive one is made aware (with a warning)
+
+    def prepare(value: Any) -> Any:
+        if type(value) is kind and not (aware_only and value.tzinfo is None):  # type: ignore[attr-defined]
+            return value
+        if value is None and none_ok:
+            return None
+        return prep(value, db)
+
+    return prepare
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What `_insert_unnest` needs of a model, worked out once: its inserted fields, each
+    one's array type, quoted column and preparation."""
+
+    table: str
+    fields: tuple[Field[Any, Any], ...]
+    types: tuple[str, ...]
+    columns: tuple[str, ...]
+    prepare: tuple[Callable[[Any], Any], ...]
+    # pre_save where the field computes its value (auto_now), else the attribute itself.
+    read: tuple[Callable[[Any], Any], ...]
+
+
+_shapes: dict[tuple[str, type[Model]], _Shape] = {}
+
+
+def _shape(model: type[Model], db: Any) -> _Shape:
+    key = (db.alias, model)
+    shape = _shapes.get(key)
+    if shape is None:
+        meta = model._meta
+        pk = meta.pk
+        generated = pk is not None and pk.db_returning
+        fields = tuple(f for f in meta.concrete_fields if not (generated and f is pk))
+        shape = _shapes[key] = _Shape(
+            table=db.ops.quote_name(meta.db_table),
+            fields=fields,
+            types=tuple(_array_type(f, db) for f in fields),
+            columns=tuple(db.ops.quote_name(f.column or f.name) for f in fields),
+            prepare=tuple(_prepare(f, db) for f in fields),
+            read=tuple(_reader(f) for f in fields),
+        )
+    return shape
+
+
+def _reader(f: Field[Any, Any]) -> Callable[[Any], Any]:
+    if type(f).pre_save is Field.pre_save:
+        return operator.attrgetter(f.attname)
+    return lambda obj: f.pre_save(obj, True)
+
+
+def _insert_unnest(group: Rows) -> tuple[str, list[Any]]:
     """`INSERT INTO table (…) SELECT … FROM unnest(%s::type[], …)` for the group's objects,
-    and the arrays (one a value or a computed column's input)."""
+    and its parameters: an array of a column's values (or of one input of a computed
+    column). A column whose value is the same in every row is one value instead (every
+    column of a single post; a batch's run, times, defaults), so psycopg packs and the
+    server unpacks no array for it."""
     # The connection itself, not the proxy that finds it at every attribute (thousands here).
     db = connections[connection.alias]
-    quote = db.ops.quote_name
-    meta = group.model._meta
-    pk = meta.pk
-    generated = pk is not None and pk.db_returning
-    fields = [f for f in meta.concrete_fields if not (generated and f is pk)]
-    arrays: list[list[Any]] = []
-    types: list[str] = []
-    selected: list[str] = []
-    for f in fields:
-        computed = group.columns.get(f.name)
-        if computed is None:
-            selected.append(f"u.v{len(arrays)}")
-            types.append(_array_type(f, db))
-            arrays.append([f.get_db_prep_save(f.pre_save(obj, True), db) for obj in group.objs])
-            continue
-        inputs = [computed.values(obj) for obj in group.objs]
-        names = []
-        for index, sql_type in enumerate(computed.types):
-            names.append(f"u.v{len(arrays)}")
-            types.append(sql_type)
-            arrays.append([values[index] for values in inputs])
-        selected.append(f"({computed.sql.format(*names)})")
-    columns = ", ".join(quote(f.column or f.name) for f in fields)
+    shape = _shape(group.model, db)
     # Arrays in binary where the server binds the parameters: psycopg packs each value as it
     # is instead of quoting and escaping it as text (about 2.5 times faster here).
     mark = "%b" if db.settings_dict["OPTIONS"].get("server_side_binding") else "%s"
-    unnest = ", ".join(f"{mark}::{sql_type}[]" for sql_type in types)
-    aliases = ", ".join(f"v{index}" for index in range(len(arrays)))
+    objs = group.objs
+    params: list[Any] = []  # the arrays, then the constants: their order in the text
+    arrays: list[str] = []  # `%b::type[]`, one an array
+    scalars: list[str] = []  # `%b::type AS cN`, one a value the same in every row
+    constants: list[Any] = []
+    selected: list[str] = []
+
+    def column(values: list[Any], sql_type: str, prepare: Callable[[Any], Any]) -> str:
+        first = values[0]
+        if all(value == first and type(value) is type(first) for value in values):
+            scalars.append(f"{mark}::{sql_type} AS c{len(scalars)}")
+            constants.append(prepare(first))
+            return f"k.c{len(scalars) - 1}"
+        arrays.append(f"{mark}::{sql_type}[]")
+        params.append([prepare(value) for value in values])
+        return f"u.v{len(arrays) - 1}"
+
+    for f, sql_type, prepare, read in zip(
+        shape.fields, shape.types, shape.prepare, shape.read, strict=True
+    ):
+        computed = group.columns.get(f.name)
+        if computed is None:
+            selected.append(column([read(obj) for obj in objs], sql_type, prepare))
+            continue
+        inputs = [computed.values(obj) for obj in objs]
+        names = [
+            column([values[index] for values in inputs], input_type, _as_is)
+            for index, input_type in enumerate(computed.types)
+        ]
+        selected.append(f"({computed.sql.format(*names)})")
+    # The rows: the arrays side by side (or as many rows as objects, when no column
+    # differs), each beside the one row of the values that are the same in all of them.
+    if arrays:
+        aliases = ", ".join(f"v{index}" for index in range(len(arrays)))
+        rows = f"unnest({', '.join(arrays)}) AS u({aliases})"
+    else:
+        rows = f"generate_series(1, {len(objs):d})"
+    if scalars:
+        rows += f", (SELECT {', '.join(scalars)}) AS k"
     sql = (
-        f"INSERT INTO {quote(meta.db_table)} ({columns}) "  # noqa: S608 - names and types
-        f"SELECT {', '.join(selected)} FROM unnest({unnest}) AS u({aliases})"
+        f"INSERT INTO {shape.table} ({', '.join(shape.columns)}) "  # noqa: S608 - names, types
+        f"SELECT {', '.join(selected)} FROM {rows}"
     )
     if group.where:
         sql += f" WHERE {group.where}"
-    return sql, arrays
+    return sql, [*params, *constants]
+
+
+def _as_is(value: Any) -> Any:
+    return value
