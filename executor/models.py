@@ -50,8 +50,11 @@ def comparable(value: Any) -> Any:
 
 def canonical_hash(value: Any) -> str:
     """SHA-256 of `value`'s canonical JSON (sorted keys, numbers as stored)."""
-    text = json.dumps(comparable(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(text.encode()).hexdigest()
+    return hashlib.sha256(_CANONICAL.encode(comparable(value)).encode()).hexdigest()
+
+
+# Made once: `json.dumps` with options builds an encoder at every call (posts hash each call).
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def call_hash(tool: str, input: Any) -> str:

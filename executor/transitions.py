@@ -57,8 +57,14 @@ def event_hash(content: dict[str, Any]) -> str:
     Keyed, so that someone who can write to the database but does not hold the key cannot
     forge a consistent chain after an edit (a plain hash could simply be recomputed).
     """
-    canonical = json.dumps(content, sort_keys=True, separators=(",", ":"), default=str)
-    return hmac.new(ledger_key(), canonical.encode(), hashlib.sha256).hexdigest()
+    canonical = _CANONICAL_WITH_STR.encode(content)
+    return hmac.digest(ledger_key(), canonical.encode(), "sha256").hex()
+
+
+# `json.dumps(…, sort_keys=True, separators=(",", ":")[, default=str])`, made once: dumps
+# builds an encoder at every call otherwise (a third of the time of hashing an event).
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
+_CANONICAL_WITH_STR = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=str)
 
 
 def ledger_key() -> bytes:
@@ -84,7 +90,7 @@ def step_digest(
     if result is None:
         result_hash = NO_RESULT_HASH  # a new step's, every one of its first events
     else:
-        result_text = json.dumps(comparable(result), sort_keys=True, separators=(",", ":"))
+        result_text = _CANONICAL.encode(comparable(result))
         result_hash = hashlib.sha256(result_text.encode()).hexdigest()
     snapshot = {
         "run": str(run_id),
@@ -95,8 +101,7 @@ def step_digest(
         "external_id": external_id,
         "result": result_hash,
     }
-    text = json.dumps(snapshot, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()
+    return hashlib.sha256(_CANONICAL.encode(snapshot).encode()).hexdigest()
 
 
 def digest_after(step: Step, state: str, changes: dict[str, Any] | None = None) -> str:
@@ -126,23 +131,31 @@ def build_event(
     changes: dict[str, Any] | None = None,
 ) -> Event:
     """The Event of a move of `step` to `target` writing `changes`, hashed and chained."""
-    event = Event(
-        run_id=step.run_id,
-        step_id=step.pk,
-        seq=seq,
-        from_state=source,
-        to_state=target,
-        actor=actor,
-        reason=reason,
+    values = {
+        "id": None,
+        "run_id": step.run_id,
+        "step_id": step.pk,
+        "seq": seq,
+        "from_state": source,
+        "to_state": target,
+        "actor": actor,
+        "reason": reason,
         # Secrets never reach the audit trail (DESIGN.md §15).
-        data=redact(data or {}),
-        created_at=at,
-        prev_hash=step.head_hash,
-        step_digest=digest_after(step, target, changes),
-        format=EVENT_FORMAT,
-    )
+        "data": redact(data) if data else {},
+        "created_at": at,
+        "prev_hash": step.head_hash,
+        "hash": "",
+        "step_digest": digest_after(step, target, changes),
+        "format": EVENT_FORMAT,
+    }
+    # Every field by position, as a row read from the database is made: half the time of
+    # keyword arguments, and a batch of posts makes three events a step.
+    event = Event(*[values[name] for name in _EVENT_FIELDS])
     event.hash = event_hash(event.content())
     return event
+
+
+_EVENT_FIELDS = tuple(f.attname for f in Event._meta.concrete_fields)
 
 
 def move(

@@ -318,11 +318,12 @@ class Tool:
     @classmethod
     def validate_input(cls, value: Any) -> list[str]:
         """Returns the input's schema errors, empty when it is valid."""
+        found = sorted(cls.validator().iter_errors(value), key=lambda e: [str(p) for p in e.path])
+        if not found:
+            return []
         redactor = cls.redactor(value)
         errors = []
-        for error in sorted(
-            cls.validator().iter_errors(value), key=lambda e: [str(p) for p in e.path]
-        ):
+        for error in found:
             path = [str(p) for p in error.absolute_path]
             # jsonschema quotes the offending value: never echo a secret back.
             message = (
