@@ -377,20 +377,35 @@ class Run(models.Model):
 
 class Step(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="steps")
+    # Indexed by (run, key) and (run, position), which lead with it: every index is one more
+    # write for each step posted.
+    run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="steps", db_index=False)
     # Posting order within the run.
     position = models.PositiveIntegerField()
     key = models.CharField(max_length=200)
+    # Not indexed: no step is looked up by its tool alone, and a tool is unregistered, never
+    # deleted (deleting one still checks, by a scan, that no step uses it).
     tool = models.ForeignKey(
-        Tool, to_field="name", db_column="tool", on_delete=models.PROTECT, related_name="+"
+        Tool,
+        to_field="name",
+        db_column="tool",
+        on_delete=models.PROTECT,
+        related_name="+",
+        db_index=False,
     )
     input = models.JSONField()
     input_hash = models.CharField(max_length=64)
     input_summary = models.TextField(blank=True)
     depends_on = models.JSONField(default=list, blank=True)
     operation_id = models.UUIDField(default=uuid.uuid4, editable=False)
+    # Indexed where set only (`step_compensates`): most steps compensate nothing.
     compensates = models.ForeignKey(
-        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="compensations"
+        "self",
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="compensations",
+        db_index=False,
     )
 
     state = models.CharField(max_length=20, choices=State.choices, default=State.PLANNED)
@@ -454,6 +469,11 @@ class Step(models.Model):
         indexes = [
             # The inbox: what waits for a person, longest waiting first.
             models.Index(fields=["state", "state_since"], name="step_state_since"),
+            models.Index(
+                fields=["compensates"],
+                condition=Q(compensates__isnull=False),
+                name="step_compensates",
+            ),
             # Due work: pending steps by not_before.
             models.Index(
                 fields=["not_before"],
@@ -555,8 +575,9 @@ class Event(models.Model):
     (step, seq) constraint refuses a second event for one version.
     """
 
-    run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="events")
-    step = models.ForeignKey(Step, on_delete=models.PROTECT, related_name="events")
+    # Indexed by (run, created_at) and the unique (step, seq), which lead with them.
+    run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="events", db_index=False)
+    step = models.ForeignKey(Step, on_delete=models.PROTECT, related_name="events", db_index=False)
     seq = models.PositiveIntegerField()
     from_state = models.CharField(max_length=20, blank=True)
     to_state = models.CharField(max_length=20)
@@ -609,6 +630,7 @@ class Approval(models.Model):
     input_hash = models.CharField(max_length=64)
     tool = models.CharField(max_length=100)
     policy_version = models.CharField(max_length=64)
+    # Indexed where set only (`approval_by_person`): the policy approves most steps.
     approver = models.ForeignKey(
         settings.AUTH_USER_MODEL,
         null=True,
@@ -616,6 +638,7 @@ class Approval(models.Model):
         on_delete=models.PROTECT,
         related_name="approvals",
         help_text="Empty when the tool's policy approved the step.",
+        db_index=False,
     )
     reason = models.TextField(blank=True)
     approved_at = models.DateTimeField()
@@ -635,6 +658,13 @@ class Approval(models.Model):
             models.CheckConstraint(
                 condition=Q(approver__isnull=True) | Q(expires_at__isnull=False),
                 name="approval_by_person_expires",
+            ),
+        ]
+        indexes = [
+            models.Index(
+                fields=["approver"],
+                condition=Q(approver__isnull=False),
+                name="approval_by_person",
             ),
         ]
 
