@@ -91,21 +91,33 @@ def steps_post(
 def _steps_post(
     *, agent: Agent, run: Run, requests: Sequence[StepRequest], batch: bool
 ) -> tuple[list[Step], list[bool]]:
+    # Most posts name new keys and depend on nothing: they are first tried as if none of
+    # their keys were in the run, without reading its steps. A key that is (the insert
+    # collides) or any refusal sends the post down the reading path, which answers exactly
+    # as if it had been taken first: an existing step is answered whatever else holds.
+    optimistic = not any(request.depends_on for request in requests)
     for _ in range(POST_RETRIES):
         try:
-            return _steps_post_once(agent=agent, run=run, requests=requests, batch=batch)
+            return _steps_post_once(
+                agent=agent, run=run, requests=requests, batch=batch, read=not optimistic
+            )
         except IntegrityError:
-            # A concurrent post of the same key won: read again, and answer its step.
-            continue
+            # A key is taken, maybe by a concurrent post: read, and answer its step.
+            optimistic = False
+        except ServiceError:
+            if not optimistic:
+                raise
+            optimistic = False
     raise Conflict("the run is being posted to concurrently; try again")
 
 
-# A concurrent post of one key makes the slower one read again; twice is plenty.
-POST_RETRIES = 3
+# A concurrent post of one key makes the slower one read again; twice is plenty (and one
+# more for a post tried without reading first).
+POST_RETRIES = 4
 
 
 def _steps_post_once(
-    *, agent: Agent, run: Run, requests: Sequence[StepRequest], batch: bool
+    *, agent: Agent, run: Run, requests: Sequence[StepRequest], batch: bool, read: bool
 ) -> tuple[list[Step], list[bool]]:
     tools: list[ToolContract] = []
     for index, request in enumerate(requests):
@@ -116,12 +128,14 @@ def _steps_post_once(
                 index if batch else None,
             )
         tools.append(tool)
-    named = {r.key for r in requests} | {k for r in requests for k in r.depends_on}
-    # Unordered: the model's order would join the run for nothing.
-    known = {
-        step.key: step
-        for step in Step.objects.filter(run=run, key__in=named).defer("input").order_by()
-    }
+    known: dict[str, Step] = {}
+    if read:
+        named = {r.key for r in requests} | {k for r in requests for k in r.depends_on}
+        # Unordered: the model's order would join the run for nothing.
+        known = {
+            step.key: step
+            for step in Step.objects.filter(run=run, key__in=named).defer("input").order_by()
+        }
     grants = policy.grants(
         users=[agent.user_id], workspaces=[run.workspace_id], tools={r.tool for r in requests}
     )

@@ -108,6 +108,42 @@ def test_the_same_batch_again_answers_the_same_steps_and_writes_nothing(
     assert ledger_size(run) == before
 
 
+def test_a_repost_tried_without_reading_first_writes_nothing_and_leaves_no_gap(
+    api: ApiClient, run: Run
+) -> None:
+    # No dependency: the post is tried as new, collides with the key, then reads and answers.
+    first = api.post(f"{API}/runs/{run.pk}/steps", echo("a")).json()
+    before = ledger_size(run)
+
+    again = api.post(f"{API}/runs/{run.pk}/steps", echo("a"))
+    other = api.post(f"{API}/runs/{run.pk}/steps", echo("a", input={"other": 1}))
+
+    assert (again.status_code, again.json()["id"]) == (200, first["id"])
+    assert other.status_code == 409
+    assert ledger_size(run) == before
+    # The collided insert moved no counter: the next step takes the next position.
+    api.post(f"{API}/runs/{run.pk}/steps", echo("b"))
+    assert list(
+        Step.objects.filter(run=run).order_by("position").values_list("key", "position")
+    ) == [
+        ("a", 1),
+        ("b", 2),
+    ]
+
+
+def test_a_posted_step_is_answered_even_where_a_new_one_would_be_refused(
+    api: ApiClient, run: Run, agent: Agent
+) -> None:
+    first = api.post(f"{API}/runs/{run.pk}/steps", echo("a")).json()
+    services.run_cancel(run=run, actor=agent)
+
+    again = api.post(f"{API}/runs/{run.pk}/steps", echo("a"))
+    new = api.post(f"{API}/runs/{run.pk}/steps", echo("b"))
+
+    assert (again.status_code, again.json()["id"]) == (200, first["id"])
+    assert new.status_code == 409
+
+
 def test_a_batch_mixing_posted_and_new_keys_creates_only_the_new(api: ApiClient, run: Run) -> None:
     [old] = api.post(batch_url(run), {"steps": [echo("old")]}).json()["steps"]
 
@@ -331,10 +367,11 @@ def test_a_batchs_write_is_one_text_with_one_parameter_a_column_whatever_its_siz
     assert Step.objects.filter(run=run).count() == 502
 
 
-# The token, the run, the keys, the grants; then on PostgreSQL one statement that moves the
-# run's step counter and inserts the steps, their events and their approvals; elsewhere the
-# counter, then an INSERT a table.
-POST_STATEMENTS = {"postgresql": 5, "sqlite": 8}
+# The token, the run, the grants; then on PostgreSQL one statement that moves the run's step
+# counter and inserts the steps, their events and their approvals; elsewhere the counter,
+# then an INSERT a table. A post that names a dependency reads the run's steps first.
+POST_STATEMENTS = {"postgresql": 4, "sqlite": 7}
+READING_THE_RUNS_STEPS = 1
 
 
 def test_a_single_post_costs_a_fixed_number_of_statements(api: ApiClient, run: Run) -> None:
@@ -345,7 +382,9 @@ def test_a_single_post_costs_a_fixed_number_of_statements(api: ApiClient, run: R
 
     assert response.status_code == 201
     statements = sql_statements(queries)
-    assert len(statements) == POST_STATEMENTS[connection.vendor], "\n".join(statements)
+    assert len(statements) == POST_STATEMENTS[connection.vendor] + READING_THE_RUNS_STEPS, (
+        "\n".join(statements)
+    )
     assert not any("FOR UPDATE" in sql for sql in statements), "posting locks nothing"
 
 
@@ -361,8 +400,8 @@ def test_a_post_outside_a_transaction_is_one_write_statement_and_no_begin(
 
     assert response.status_code == 201
     statements = [q["sql"] for q in queries.captured_queries]
-    assert len(statements) == 5, "\n".join(statements)
-    assert [s.split()[0] for s in statements] == ["SELECT"] * 4 + ["WITH"]
+    assert len(statements) == 4, "\n".join(statements)
+    assert [s.split()[0] for s in statements] == ["SELECT"] * 3 + ["WITH"]
     step = Step.objects.get(run=run, key="counted")
     assert (step.position, step.state, step.version) == (2, State.PENDING, 3)
     assert Event.objects.filter(step=step).count() == 3
