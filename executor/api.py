@@ -86,12 +86,7 @@ def agent_for_token(token: str) -> Agent | None:
     token = token.strip()
     if not token:
         return None
-    agent = (
-        Agent.objects.select_related("workspace", "user")
-        .filter(token_hash=hash_token(token), is_active=True, user__is_active=True)
-        .order_by()  # the hash is unique: no sort (the model's order joins the workspace)
-        .first()
-    )
+    agent = selectors.agent_by_token_hash(hash_token(token))
     if agent is None:
         return None
     logcontext.add(agent=agent.name, workspace=agent.workspace.slug)
@@ -388,7 +383,7 @@ def _parse_id(value: str) -> uuid.UUID | None:
 
 def _run_or_404(agent: Agent, run_id: str) -> Run:
     pk = _parse_id(run_id)
-    run = selectors.runs_for_agent(agent=agent).filter(pk=pk).first() if pk else None
+    run = selectors.run_for_agent(agent=agent, run_id=pk) if pk else None
     if run is None:
         raise HttpError(404, "no such run")
     logcontext.add(run_id=run.pk)

@@ -10,11 +10,13 @@ from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Count, Q, QuerySet, Sum, TextChoices
+from django.contrib.auth import get_user_model
+from django.db import connection, connections
+from django.db.models import Count, Model, Q, QuerySet, Sum, TextChoices
 from django.utils import timezone
 
 from executor import policy
-from executor.models import Agent, Attempt, Event, Run, RunStatus, Step, Tool
+from executor.models import Agent, Attempt, Event, Run, RunStatus, Step, Tool, Workspace
 from executor.redaction import redact
 from executor.states import CONFIRMED, ENDED_WITHOUT_EFFECT, INBOX, REPORT_SECTIONS, State
 from executor.tools.base import Tool as ToolContract
@@ -23,6 +25,126 @@ from executor.tools.base import all_tools, find_tool
 
 def runs_for_agent(*, agent: Agent) -> QuerySet[Run]:
     return Run.objects.visible_to_agent(agent)
+
+
+# --- the reads of every agent request, in statements written once -------------------------
+#
+# Every request authenticates its agent and most read their run. Through the ORM each of
+# these reads cost about 0.6 ms of building the query for 0.3 ms of database: a tenth of a
+# post. They are written out here once per process instead, the rows made into models as
+# the ORM makes them (its converters, `from_db`).
+
+
+def agent_by_token_hash(token_hash: str) -> Agent | None:
+    """The active agent of an active user whose token hashes to `token_hash`, with its
+    workspace and user loaded (as `select_related` would)."""
+    sql, parts = _agent_statement()
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [token_hash])
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    agent, workspace, user = _models_of(row, parts)
+    assert isinstance(agent, Agent)
+    assert isinstance(workspace, Workspace)
+    agent.workspace = workspace
+    agent.user = user  # type: ignore[assignment]
+    return agent
+
+
+def run_for_agent(*, agent: Agent, run_id: uuid.UUID) -> Run | None:
+    """`runs_for_agent(agent).filter(pk=run_id).first()`, in a statement written once."""
+    sql, parts = _run_statement()
+    with connection.cursor() as cursor:
+        # Prepared as the ORM would (a uuid is text on SQLite).
+        pk = Run._meta.get_field("id").get_db_prep_value(run_id, connection)
+        cursor.execute(sql, [pk, agent.workspace_id])
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    (run,) = _models_of(row, parts)
+    assert isinstance(run, Run)
+    return run
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One model's columns in a row: where they start, and how to convert each value."""
+
+    model: type[Model]
+    start: int
+    converters: tuple[tuple[int, tuple[Any, ...], Any], ...]  # (index, converters, column)
+
+
+def _models_of(row: tuple[Any, ...], parts: tuple[_Part, ...]) -> list[Model]:
+    db = connections[connection.alias]
+    found = []
+    for part in parts:
+        fields = part.model._meta.concrete_fields
+        values = list(row[part.start : part.start + len(fields)])
+        for index, converters, column in part.converters:
+            for convert in converters:
+                values[index] = convert(values[index], column, db)
+        found.append(part.model.from_db(db.alias, [f.attname for f in fields], values))
+    return found
+
+
+def _columns(model: type[Model], alias: str, start: int) -> tuple[str, _Part]:
+    db = connections[connection.alias]
+    meta = model._meta
+    names = ", ".join(f"{alias}.{db.ops.quote_name(str(f.column))}" for f in meta.concrete_fields)
+    converters = []
+    for index, f in enumerate(meta.concrete_fields):
+        column = f.get_col(meta.db_table)
+        found = tuple(db.ops.get_db_converters(column) + column.get_db_converters(db))
+        if found:
+            converters.append((index, found, column))
+    return names, _Part(model, start, tuple(converters))
+
+
+_statements: dict[tuple[str, str], tuple[str, tuple[_Part, ...]]] = {}
+
+
+def _pk_column(model: type[Model]) -> str:
+    pk = model._meta.pk
+    assert pk is not None
+    return str(pk.column)
+
+
+def _agent_statement() -> tuple[str, tuple[_Part, ...]]:
+    key = (connection.alias, "agent")
+    if key not in _statements:
+        user_model = get_user_model()
+        quote = connections[connection.alias].ops.quote_name
+        agents, agent = _columns(Agent, "a", 0)
+        workspaces, workspace = _columns(Workspace, "w", len(Agent._meta.concrete_fields))
+        users, user = _columns(
+            user_model, "u", workspace.start + len(Workspace._meta.concrete_fields)
+        )
+        _statements[key] = (
+            f"SELECT {agents}, {workspaces}, {users} "  # noqa: S608 - names, not input
+            f"FROM {quote(Agent._meta.db_table)} a "
+            f"JOIN {quote(Workspace._meta.db_table)} w ON w.{quote(_pk_column(Workspace))} "
+            "= a.workspace_id "
+            f"JOIN {quote(user_model._meta.db_table)} u ON u.{quote(_pk_column(user_model))} "
+            "= a.user_id "
+            "WHERE a.token_hash = %s AND a.is_active AND u.is_active",
+            (agent, workspace, user),
+        )
+    return _statements[key]
+
+
+def _run_statement() -> tuple[str, tuple[_Part, ...]]:
+    key = (connection.alias, "run")
+    if key not in _statements:
+        quote = connections[connection.alias].ops.quote_name
+        runs, run = _columns(Run, "r", 0)
+        _statements[key] = (
+            f"SELECT {runs} FROM {quote(Run._meta.db_table)} r "  # noqa: S608 - names
+            "WHERE r.id = %s AND r.workspace_id = %s",
+            (run,),
+        )
+    return _statements[key]
 
 
 def steps_for_agent(*, agent: Agent) -> QuerySet[Step]:
