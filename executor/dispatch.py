@@ -62,6 +62,11 @@ class Background:
         self._pid = 0
         self._queue: queue.Queue[tuple[str, str, datetime | None]] = queue.Queue()
 
+    def forget_parent(self) -> None:
+        """In a forked child: the parent's thread and lock are not this process's."""
+        self._lock = threading.Lock()
+        self._pid = 0
+
     def __call__(self, task: str, step_id: str, eta: datetime | None) -> None:
         if self._pid != os.getpid():
             self._start()
@@ -106,6 +111,8 @@ class Background:
 
 background = Background(celery_publisher)
 atexit.register(background.flush)
+# A child forked while a thread of the parent held the lock would wait on it forever.
+os.register_at_fork(after_in_child=background.forget_parent)
 
 _publisher: Publisher = background
 

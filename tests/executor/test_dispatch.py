@@ -3,6 +3,7 @@ broker, every hint goes out in order, and a failing broker stops no later hint."
 
 from __future__ import annotations
 
+import os
 import threading
 from datetime import datetime
 
@@ -49,3 +50,30 @@ def test_a_failing_broker_loses_that_hint_only() -> None:
 def test_the_default_publisher_sends_to_celery_in_the_background() -> None:
     assert isinstance(dispatch.background, dispatch.Background)
     assert dispatch.background.publisher is dispatch.celery_publisher
+
+
+def test_a_forked_process_sends_through_a_thread_of_its_own() -> None:
+    # A prefork worker or a gunicorn worker: the parent's sending thread is not in the child.
+    read, write = os.pipe()
+
+    def to_pipe(task: str, step_id: str, eta: datetime | None) -> None:
+        os.write(write, f"{os.getpid()}:{step_id}\n".encode())
+
+    background = dispatch.Background(to_pipe)
+    background(dispatch.EXECUTE, "parent", None)
+    assert background.flush(timeout=10) is True
+
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports by its exit code
+        sent = False
+        try:
+            background(dispatch.EXECUTE, "child", None)
+            sent = background.flush(timeout=10)
+        finally:
+            os._exit(0 if sent else 1)
+    _, status = os.waitpid(child, 0)
+
+    assert os.waitstatus_to_exitcode(status) == 0
+    os.close(write)
+    with os.fdopen(read) as lines:
+        assert lines.read().split() == [f"{os.getpid()}:parent", f"{child}:child"]
