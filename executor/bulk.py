@@ -248,6 +248,13 @@ def _prepare(f: Field[Any, Any], db: Any) -> Callable[[Any], Any]:
     return prepare
 
 
+# The kinds of value a column may be sent once for, when every row holds an equal one of the
+# same type: equal means the same stored value for these. Not a JSON document: {"v": 1},
+# {"v": True} and {"v": 1.0} are equal in Python and three different inputs. Not a float
+# either (0.0 == -0.0).
+_FOLDABLE = frozenset({str, int, bool, type(None), uuid.UUID, datetime})
+
+
 @dataclass(frozen=True)
 class _Shape:
     """What `_insert_unnest` needs of a model, worked out once: its inserted fields, each
@@ -311,7 +318,8 @@ def _insert_unnest(group: Rows) -> tuple[str, list[Any]]:
 
     def column(values: list[Any], sql_type: str, prepare: Callable[[Any], Any]) -> str:
         first = values[0]
-        if all(value == first and type(value) is type(first) for value in values):
+        kind = type(first)
+        if kind in _FOLDABLE and all(type(value) is kind and value == first for value in values):
             scalars.append(f"{mark}::{sql_type} AS c{len(scalars)}")
             constants.append(prepare(first))
             return f"k.c{len(scalars) - 1}"

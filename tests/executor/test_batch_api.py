@@ -12,8 +12,8 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from guardian.shortcuts import remove_perm
 
-from executor import dispatch, engine, services
-from executor.models import Agent, Approval, Event, Run, Step
+from executor import dispatch, engine, ledger, services
+from executor.models import Agent, Approval, Event, Run, Step, call_hash
 from executor.models import Tool as ToolRow
 from executor.states import State
 from tests.support.api import ApiClient
@@ -106,6 +106,26 @@ def test_the_same_batch_again_answers_the_same_steps_and_writes_nothing(
     assert [s["id"] for s in again.json()["steps"]] == [s["id"] for s in first]
     assert [s["created"] for s in again.json()["steps"]] == [False, False]
     assert ledger_size(run) == before
+
+
+def test_inputs_equal_in_python_but_not_in_json_are_each_stored_as_sent(
+    api: ApiClient, run: Run
+) -> None:
+    # 1 == True == 1.0 in Python; three different inputs (and hashes) to an agent.
+    inputs = [{"v": 1}, {"v": True}, {"v": 1.0}, {"v": 1}]
+    response = api.post(
+        batch_url(run),
+        {"steps": [{"key": f"k{i}", "tool": "echo", "input": v} for i, v in enumerate(inputs)]},
+    )
+
+    assert response.status_code == 201
+    stored = {s.key: s for s in Step.objects.filter(run=run)}
+    for index, sent in enumerate(inputs):
+        step = stored[f"k{index}"]
+        assert step.input == sent
+        assert type(step.input["v"]) is type(sent["v"])
+        assert step.input_hash == call_hash("echo", sent)
+    assert ledger.verify_chain(step_ids=[s.pk for s in stored.values()]).ok
 
 
 def test_a_repost_tried_without_reading_first_writes_nothing_and_leaves_no_gap(
