@@ -53,14 +53,18 @@ class Background:
     hint lost with the process is resent by the sweeper, as any lost message is.
 
     A process forked from this one (a prefork worker) starts its own thread when it first
-    sends. `flush` waits for what was sent so far; it runs at exit.
+    sends. At most `limit` hints wait: past it, while the broker does not answer, a hint is
+    dropped (and logged), not held in memory. `flush` waits for what was sent so far; it
+    runs at exit, and in a worker's pool process before it ends (executor/tasks.py).
     """
 
-    def __init__(self, publisher: Publisher) -> None:
+    def __init__(self, publisher: Publisher, limit: int = 10_000) -> None:
         self.publisher = publisher
+        self.limit = limit
         self._lock = threading.Lock()
         self._pid = 0
-        self._queue: queue.Queue[tuple[str, str, datetime | None]] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._queue: queue.Queue[tuple[str, str, datetime | None]] = queue.Queue(limit)
 
     def forget_parent(self) -> None:
         """In a forked child: the parent's thread and lock are not this process's."""
@@ -68,21 +72,29 @@ class Background:
         self._pid = 0
 
     def __call__(self, task: str, step_id: str, eta: datetime | None) -> None:
-        if self._pid != os.getpid():
+        if self._pid != os.getpid() or self._thread is None or not self._thread.is_alive():
             self._start()
-        self._queue.put((task, step_id, eta))
+        try:
+            self._queue.put_nowait((task, step_id, eta))
+        except queue.Full:  # the broker has not answered for a while: the sweeper resends it
+            logger.warning(
+                "%d hints wait for the broker; dropped %s for step %s", self.limit, task, step_id
+            )
 
     def _start(self) -> None:
         with self._lock:
-            if self._pid == os.getpid():
+            alive = self._thread is not None and self._thread.is_alive()
+            if self._pid == os.getpid() and alive:
                 return
-            self._queue = queue.Queue()
-            threading.Thread(
+            if self._pid != os.getpid():  # what waited in the parent is the parent's to send
+                self._queue = queue.Queue(self.limit)
+            self._thread = threading.Thread(
                 target=self._send_forever,
                 args=(self._queue,),
                 name="stepward-dispatch",
                 daemon=True,
-            ).start()
+            )
+            self._thread.start()
             self._pid = os.getpid()
 
     def _send_forever(self, messages: queue.Queue[tuple[str, str, datetime | None]]) -> None:

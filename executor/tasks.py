@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 from celery import shared_task
-from celery.signals import worker_init, worker_process_init
+from celery.signals import worker_init, worker_process_init, worker_process_shutdown
 
 from executor import dispatch, engine, faults, recovery, sweeper
 
@@ -41,3 +41,9 @@ def fresh_fault_dice(**kwargs: Any) -> None:
     # Forked pool children must not share their parent's random sequence.
     faults.reset()
     faults.configured_rates()
+
+
+@worker_process_shutdown.connect
+def send_waiting_hints(**kwargs: Any) -> None:
+    # A pool process ends without running atexit: the hints it sent would wait for nothing.
+    dispatch.background.flush()
