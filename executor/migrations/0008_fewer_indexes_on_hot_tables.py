@@ -2,10 +2,14 @@
 step, event and approval inserted), and indexes two mostly empty foreign keys where set only.
 
 Only the indexes change in the database: the foreign keys stay as they are, where altering
-the fields would have dropped and re-validated each one (a scan of the whole table).
+the fields would have dropped and re-validated each one (a scan of the whole table). On
+PostgreSQL the indexes are made and dropped CONCURRENTLY, so posting and draining go on
+while a large table is read to build them.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import django.db.models.deletion
 from django.conf import settings
@@ -22,9 +26,39 @@ DROPPED = [
 ]
 # And the LIKE index PostgreSQL had beside the last one (not made again when reversed).
 DROPPED_LIKE = "executor_step_tool_90be21ce_like"
+# Indexes where the column is set only, made before the full ones go.
+PARTIAL = [
+    ("approval_by_person", "executor_approval", "approver_id"),
+    ("step_compensates", "executor_step", "compensates_id"),
+]
+
+
+def _how(schema_editor: Any) -> str:
+    return "CONCURRENTLY " if schema_editor.connection.vendor == "postgresql" else ""
+
+
+def forwards(apps: Any, schema_editor: Any) -> None:
+    how = _how(schema_editor)
+    for name, table, column in PARTIAL:
+        schema_editor.execute(
+            f"CREATE INDEX {how}IF NOT EXISTS {name} ON {table} ({column}) "
+            f"WHERE {column} IS NOT NULL"
+        )
+    for name in [*(name for name, _, _ in DROPPED), DROPPED_LIKE]:
+        schema_editor.execute(f"DROP INDEX {how}IF EXISTS {name}")
+
+
+def backwards(apps: Any, schema_editor: Any) -> None:
+    how = _how(schema_editor)
+    for name, table, column in DROPPED:
+        schema_editor.execute(f"CREATE INDEX {how}IF NOT EXISTS {name} ON {table} ({column})")
+    for name, _, _ in PARTIAL:
+        schema_editor.execute(f"DROP INDEX {how}IF EXISTS {name}")
 
 
 class Migration(migrations.Migration):
+    atomic = False  # CREATE/DROP INDEX CONCURRENTLY run outside a transaction
+
     dependencies = [
         ("executor", "0007_run_actions_and_no_closed_status"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
@@ -100,32 +134,23 @@ class Migration(migrations.Migration):
                         to_field="name",
                     ),
                 ),
+                migrations.AddIndex(
+                    model_name="approval",
+                    index=models.Index(
+                        condition=models.Q(("approver__isnull", False)),
+                        fields=["approver"],
+                        name="approval_by_person",
+                    ),
+                ),
+                migrations.AddIndex(
+                    model_name="step",
+                    index=models.Index(
+                        condition=models.Q(("compensates__isnull", False)),
+                        fields=["compensates"],
+                        name="step_compensates",
+                    ),
+                ),
             ],
-            database_operations=[
-                migrations.RunSQL(
-                    [f"DROP INDEX IF EXISTS {name}" for name, _, _ in DROPPED]
-                    + [f"DROP INDEX IF EXISTS {DROPPED_LIKE}"],
-                    reverse_sql=[
-                        f"CREATE INDEX IF NOT EXISTS {name} ON {table} ({column})"
-                        for name, table, column in DROPPED
-                    ],
-                )
-            ],
-        ),
-        migrations.AddIndex(
-            model_name="approval",
-            index=models.Index(
-                condition=models.Q(("approver__isnull", False)),
-                fields=["approver"],
-                name="approval_by_person",
-            ),
-        ),
-        migrations.AddIndex(
-            model_name="step",
-            index=models.Index(
-                condition=models.Q(("compensates__isnull", False)),
-                fields=["compensates"],
-                name="step_compensates",
-            ),
+            database_operations=[migrations.RunPython(forwards, backwards)],
         ),
     ]
