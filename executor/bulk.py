@@ -211,10 +211,10 @@ def _array_type(f: Field[Any, Any], db: Any) -> str:
 
 # Field classes whose `get_db_prep_save` hands a value of exactly these Python types back
 # unchanged on PostgreSQL (str for text, a UUID where the backend stores uuids natively, an
-# aware datetime): `_prepare` skips the call for them. (Not integers: psycopg's adapter
-# wraps them in their SQL type.) Exact classes
-# only: a subclass may prepare its values its own way. tests/executor/test_bulk.py checks
-# this against `get_db_prep_save` for every field of the models inserted in bulk.
+# aware datetime): `_prepare` skips the call for them. Not integers: Django wraps them in
+# psycopg's type of their column. Exact classes only: a subclass may prepare its values its
+# own way. tests/executor/test_bulk.py holds this to `get_db_prep_save` for every field of
+# the models inserted in bulk.
 _SENT_AS_THEY_ARE: dict[type[Field[Any, Any]], type] = {
     models.CharField: str,
     models.TextField: str,

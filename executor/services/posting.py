@@ -92,9 +92,10 @@ def _steps_post(
     *, agent: Agent, run: Run, requests: Sequence[StepRequest], batch: bool
 ) -> tuple[list[Step], list[bool]]:
     # Most posts name new keys and depend on nothing: they are first tried as if none of
-    # their keys were in the run, without reading its steps. A key that is (the insert
-    # collides) or any refusal sends the post down the reading path, which answers exactly
-    # as if it had been taken first: an existing step is answered whatever else holds.
+    # their keys were in the run, without reading its steps. A key already there (the insert
+    # collides and changes nothing) or any refusal sends the post down the reading path,
+    # which answers exactly as if it had been taken first: an existing step is answered
+    # whatever would refuse a new one.
     optimistic = not any(request.depends_on for request in requests)
     for _ in range(POST_RETRIES):
         try:
