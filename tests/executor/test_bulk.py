@@ -15,7 +15,6 @@ from django.utils import timezone
 
 from executor import bulk
 from executor.models import Agent, Approval, Attempt, Event, Run, Step, StepCounter
-from tests.support.api import on_postgres
 
 pytestmark = pytest.mark.django_db
 
@@ -60,7 +59,7 @@ def test_each_column_is_prepared_as_get_db_prep_save_prepares_it(model: Any) -> 
             assert type(prepared(got)) is type(prepared(expected)), (f.name, value)
 
 
-@pytest.mark.skipif(not on_postgres(), reason="SQLite prepares every value through the ORM")
+@pytest.mark.postgres  # SQLite prepares every value through the ORM
 def test_the_shortcut_is_taken_for_plain_values_on_postgresql(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
