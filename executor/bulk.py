@@ -9,6 +9,7 @@ for every row stay plain values, and only the ones that differ become a CASE.
 
 from __future__ import annotations
 
+import functools
 import operator
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -269,26 +270,21 @@ class _Shape:
     read: tuple[Callable[[Any], Any], ...]
 
 
-_shapes: dict[tuple[str, type[Model]], _Shape] = {}
-
-
-def _shape(model: type[Model], db: Any) -> _Shape:
-    key = (db.alias, model)
-    shape = _shapes.get(key)
-    if shape is None:
-        meta = model._meta
-        pk = meta.pk
-        generated = pk is not None and pk.db_returning
-        fields = tuple(f for f in meta.concrete_fields if not (generated and f is pk))
-        shape = _shapes[key] = _Shape(
-            table=db.ops.quote_name(meta.db_table),
-            fields=fields,
-            types=tuple(_array_type(f, db) for f in fields),
-            columns=tuple(db.ops.quote_name(f.column or f.name) for f in fields),
-            prepare=tuple(_prepare(f, db) for f in fields),
-            read=tuple(_reader(f) for f in fields),
-        )
-    return shape
+@functools.cache
+def _shape(model: type[Model], alias: str) -> _Shape:
+    db = connections[alias]
+    meta = model._meta
+    pk = meta.pk
+    generated = pk is not None and pk.db_returning
+    fields = tuple(f for f in meta.concrete_fields if not (generated and f is pk))
+    return _Shape(
+        table=db.ops.quote_name(meta.db_table),
+        fields=fields,
+        types=tuple(_array_type(f, db) for f in fields),
+        columns=tuple(db.ops.quote_name(f.column or f.name) for f in fields),
+        prepare=tuple(_prepare(f, db) for f in fields),
+        read=tuple(_reader(f) for f in fields),
+    )
 
 
 def _reader(f: Field[Any, Any]) -> Callable[[Any], Any]:
@@ -305,7 +301,7 @@ def _insert_unnest(group: Rows) -> tuple[str, list[Any]]:
     server unpacks no array for it."""
     # The connection itself, not the proxy that finds it at every attribute (thousands here).
     db = connections[connection.alias]
-    shape = _shape(group.model, db)
+    shape = _shape(group.model, db.alias)
     # Arrays in binary where the server binds the parameters: psycopg packs each value as it
     # is instead of quoting and escaping it as text (about 2.5 times faster here).
     mark = "%b" if db.settings_dict["OPTIONS"].get("server_side_binding") else "%s"

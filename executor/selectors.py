@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import functools
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -38,7 +39,7 @@ def runs_for_agent(*, agent: Agent) -> QuerySet[Run]:
 def agent_by_token_hash(token_hash: str) -> Agent | None:
     """The active agent of an active user whose token hashes to `token_hash`, with its
     workspace and user loaded (as `select_related` would)."""
-    sql, parts = _agent_statement()
+    sql, parts = _agent_statement(connection.alias)
     with connection.cursor() as cursor:
         cursor.execute(sql, [token_hash])
         row = cursor.fetchone()
@@ -54,7 +55,7 @@ def agent_by_token_hash(token_hash: str) -> Agent | None:
 
 def run_for_agent(*, agent: Agent, run_id: uuid.UUID) -> Run | None:
     """`runs_for_agent(agent).filter(pk=run_id).first()`, in a statement written once."""
-    sql, parts = _run_statement()
+    sql, parts = _run_statement(connection.alias)
     with connection.cursor() as cursor:
         # Prepared as the ORM would (a uuid is text on SQLite).
         pk = Run._meta.get_field("id").get_db_prep_value(run_id, connection)
@@ -69,10 +70,12 @@ def run_for_agent(*, agent: Agent, run_id: uuid.UUID) -> Run | None:
 
 @dataclass(frozen=True)
 class _Part:
-    """One model's columns in a row: where they start, and how to convert each value."""
+    """One model's columns in a row: where they are, their fields, and how to convert each
+    value."""
 
     model: type[Model]
     start: int
+    names: list[str]  # the fields' attnames, as from_db takes them
     converters: tuple[tuple[int, tuple[Any, ...], Any], ...]  # (index, converters, column)
 
 
@@ -80,29 +83,31 @@ def _models_of(row: tuple[Any, ...], parts: tuple[_Part, ...]) -> list[Model]:
     db = connections[connection.alias]
     found = []
     for part in parts:
-        fields = part.model._meta.concrete_fields
-        values = list(row[part.start : part.start + len(fields)])
+        values = list(row[part.start : part.start + len(part.names)])
         for index, converters, column in part.converters:
             for convert in converters:
                 values[index] = convert(values[index], column, db)
-        found.append(part.model.from_db(db.alias, [f.attname for f in fields], values))
+        found.append(part.model.from_db(db.alias, part.names, values))
     return found
 
 
-def _columns(model: type[Model], alias: str, start: int) -> tuple[str, _Part]:
-    db = connections[connection.alias]
-    meta = model._meta
-    names = ", ".join(f"{alias}.{db.ops.quote_name(str(f.column))}" for f in meta.concrete_fields)
-    converters = []
-    for index, f in enumerate(meta.concrete_fields):
-        column = f.get_col(meta.db_table)
-        found = tuple(db.ops.get_db_converters(column) + column.get_db_converters(db))
-        if found:
-            converters.append((index, found, column))
-    return names, _Part(model, start, tuple(converters))
-
-
-_statements: dict[tuple[str, str], tuple[str, tuple[_Part, ...]]] = {}
+def _select(alias: str, tables: list[tuple[type[Model], str]]) -> tuple[str, tuple[_Part, ...]]:
+    """The select list of every concrete field of each (model, table alias), one after
+    another, and where each model's columns are in a row."""
+    db = connections[alias]
+    columns: list[str] = []
+    parts = []
+    for model, table in tables:
+        fields = model._meta.concrete_fields
+        converters = []
+        for index, f in enumerate(fields):
+            column = f.get_col(model._meta.db_table)
+            found = tuple(db.ops.get_db_converters(column) + column.get_db_converters(db))
+            if found:
+                converters.append((index, found, column))
+        parts.append(_Part(model, len(columns), [f.attname for f in fields], tuple(converters)))
+        columns += [f"{table}.{db.ops.quote_name(str(f.column))}" for f in fields]
+    return ", ".join(columns), tuple(parts)
 
 
 def _pk_column(model: type[Model]) -> str:
@@ -111,40 +116,32 @@ def _pk_column(model: type[Model]) -> str:
     return str(pk.column)
 
 
-def _agent_statement() -> tuple[str, tuple[_Part, ...]]:
-    key = (connection.alias, "agent")
-    if key not in _statements:
-        user_model = get_user_model()
-        quote = connections[connection.alias].ops.quote_name
-        agents, agent = _columns(Agent, "a", 0)
-        workspaces, workspace = _columns(Workspace, "w", len(Agent._meta.concrete_fields))
-        users, user = _columns(
-            user_model, "u", workspace.start + len(Workspace._meta.concrete_fields)
-        )
-        _statements[key] = (
-            f"SELECT {agents}, {workspaces}, {users} "  # noqa: S608 - names, not input
-            f"FROM {quote(Agent._meta.db_table)} a "
-            f"JOIN {quote(Workspace._meta.db_table)} w ON w.{quote(_pk_column(Workspace))} "
-            "= a.workspace_id "
-            f"JOIN {quote(user_model._meta.db_table)} u ON u.{quote(_pk_column(user_model))} "
-            "= a.user_id "
-            "WHERE a.token_hash = %s AND a.is_active AND u.is_active",
-            (agent, workspace, user),
-        )
-    return _statements[key]
+@functools.cache
+def _agent_statement(alias: str) -> tuple[str, tuple[_Part, ...]]:
+    user_model = get_user_model()
+    quote = connections[alias].ops.quote_name
+    columns, parts = _select(alias, [(Agent, "a"), (Workspace, "w"), (user_model, "u")])
+    sql = (
+        f"SELECT {columns} "  # noqa: S608 - names, not input
+        f"FROM {quote(Agent._meta.db_table)} a "
+        f"JOIN {quote(Workspace._meta.db_table)} w ON w.{quote(_pk_column(Workspace))} "
+        "= a.workspace_id "
+        f"JOIN {quote(user_model._meta.db_table)} u ON u.{quote(_pk_column(user_model))} "
+        "= a.user_id "
+        "WHERE a.token_hash = %s AND a.is_active AND u.is_active"
+    )
+    return sql, parts
 
 
-def _run_statement() -> tuple[str, tuple[_Part, ...]]:
-    key = (connection.alias, "run")
-    if key not in _statements:
-        quote = connections[connection.alias].ops.quote_name
-        runs, run = _columns(Run, "r", 0)
-        _statements[key] = (
-            f"SELECT {runs} FROM {quote(Run._meta.db_table)} r "  # noqa: S608 - names
-            "WHERE r.id = %s AND r.workspace_id = %s",
-            (run,),
-        )
-    return _statements[key]
+@functools.cache
+def _run_statement(alias: str) -> tuple[str, tuple[_Part, ...]]:
+    quote = connections[alias].ops.quote_name
+    columns, parts = _select(alias, [(Run, "r")])
+    sql = (
+        f"SELECT {columns} FROM {quote(Run._meta.db_table)} r "  # noqa: S608 - names
+        "WHERE r.id = %s AND r.workspace_id = %s"
+    )
+    return sql, parts
 
 
 def steps_for_agent(*, agent: Agent) -> QuerySet[Step]:
