@@ -146,6 +146,17 @@ class Cluster:
 
         return self.wait_for(reached, what=f"step {step.key} to be {states}", seconds=seconds)
 
+    def wait_task_outcome(self, worker: Worker, outcome: str) -> None:
+        """Waits for `worker` to log a task that returned `outcome`.
+
+        Celery logs a task's return after the task committed its work, so a test that saw the
+        step settle may read the log a moment before that line is written.
+        """
+        self.wait_for(
+            lambda: outcome in worker.task_outcomes().values(),
+            what=f"{worker.name} to log a task that returned {outcome!r}",
+        )
+
     def wait_settled(self, step: Step, *, seconds: float = DEADLINE_SECONDS) -> Step:
         def settled() -> Step | None:
             fresh = Step.objects.get(pk=step.pk)
