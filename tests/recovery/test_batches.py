@@ -68,7 +68,7 @@ def test_a_worker_killed_between_batch_claim_and_batch_persist_is_recovered_row_
     worker = cluster.worker().start()
 
     cluster.wait_for(lambda: light_stall.holds(worker), what="the batch's persist to stall")
-    worker.kill()
+    light_stall.kill(worker)
 
     # Every pure step of the batch is where a crash before its own persist leaves one step:
     # running, its attempt submitting, nothing of an answer stored.

@@ -119,7 +119,7 @@ def test_a_worker_killed_before_its_submission_commits_is_retried_without_asking
     stall.at_submitting(step)
     worker = cluster.worker().start()
     cluster.wait_for(lambda: stall.holds(worker), what="the worker inside its submitting commit")
-    worker.kill()
+    stall.kill(worker)
 
     crashed = Step.objects.get(pk=step.pk)
     assert crashed.state == State.RUNNING
@@ -148,7 +148,7 @@ def test_a_worker_killed_after_the_response_is_stored_is_completed_without_resub
     stall.at_completion(step)
     worker = cluster.worker().start()
     cluster.wait_for(lambda: stall.holds(worker), what="the worker inside its completing commit")
-    worker.kill()
+    stall.kill(worker)
 
     crashed = Step.objects.get(pk=step.pk)
     assert crashed.state == State.VERIFYING

@@ -178,8 +178,8 @@ def is_settled(step: Step) -> bool:
 class Stall:
     """Makes one worker's commit of one step hang (PostgreSQL) or fail (SQLite).
 
-    On PostgreSQL a trigger sleeps inside the worker's transaction, so the test can
-    SIGKILL the worker there for real: the server rolls the transaction back. SQLite has
+    On PostgreSQL a trigger sleeps inside the worker's statement, so the test can SIGKILL
+    the worker there for real (`kill`: the server rolls the write back). SQLite has
     no sleep, so its trigger aborts the transaction instead and the test kills the worker
     afterwards: the ledger is left exactly as a kill at that commit would leave it.
     """
@@ -253,6 +253,32 @@ class Stall:
             )
             row = cursor.fetchone()
         return bool(row and row[0])
+
+    def kill(self, worker: Worker) -> None:
+        """SIGKILLs `worker` inside the stalled commit; on PostgreSQL also ends the server
+        process sleeping for it, so that commit never happens.
+
+        PostgreSQL notices a dead client only when it next reads from or writes to it
+        (`client_connection_check_interval` is off by default): the sleeping statement would
+        run on and, where it is written outside a transaction (the `submitting` mark,
+        DESIGN.md §5.4), commit seconds after the kill. A worker killed before its commit
+        reached the server leaves no such write; ending the backend rolls it back.
+        """
+        worker.kill()
+        if self.postgres:
+            # A trigger firing for each row is between two sleeps for a moment: try again.
+            wait_until(self._end_sleeping_backend, seconds=10, what="the stalled backend to end")
+
+    def _end_sleeping_backend(self) -> bool:
+        with connection.cursor() as cursor:
+            # With a timeout, pg_terminate_backend returns once the backend has ended.
+            cursor.execute(
+                "SELECT pg_terminate_backend(pid, 10000) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND wait_event = 'PgSleep' "
+                "AND pid <> pg_backend_pid()"
+            )
+            ended = [row[0] for row in cursor.fetchall()]
+        return bool(ended) and all(ended)
 
     def remove(self) -> None:
         with connection.cursor() as cursor:
