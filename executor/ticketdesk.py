@@ -21,8 +21,10 @@ Routes:
 - `POST /echo` → 200 `{"headers": {...}, "body": ...}`: what the desk received, request
   headers included, as a careless API might answer (to check what a tool stores of it).
 - `GET /stats` → `{"tickets": n, "closed": n, "by_client_ref": {ref: n},
-  "faults_injected": {...}, "stale_fence_refused": n}`. Ticket counts come from the
-  store; the fault and refusal counters count since this process started.
+  "faults_injected": {...}, "stale_fence_refused": n, "delayed": n}`. Ticket counts
+  come from the store; the fault, refusal and `delayed` counters (requests that began
+  serving their latency: the request was read, its effect not yet decided) count since
+  this process started.
 - `GET /faults`, `POST /faults` `{latency_ms, error_503_rate, error_429_rate,
   retry_after, drop_after_commit_rate, seed, title_faults}` (each optional, merged into the
   current set; `{"reset": true}` clears them first). Rates are probabilities in [0, 1].
@@ -350,6 +352,7 @@ class FaultInjector:
         self._random = random.Random()
         self.injected = {"error_503": 0, "error_429": 0, "drop_after_commit": 0}
         self.stale_fence_refused = 0
+        self.delayed = 0
 
     def current(self) -> dict[str, Any]:
         with self._lock:
@@ -393,6 +396,8 @@ class FaultInjector:
                 self.injected["error_503"] += 1
             if error_429:
                 self.injected["error_429"] += 1
+            if faults.latency_ms:
+                self.delayed += 1
         if faults.latency_ms:
             time.sleep(faults.latency_ms / 1000)
         if error_503:
@@ -423,6 +428,7 @@ class FaultInjector:
             return {
                 "faults_injected": dict(self.injected),
                 "stale_fence_refused": self.stale_fence_refused,
+                "delayed": self.delayed,
             }
 
 

@@ -306,6 +306,31 @@ def test_faults_are_merged_into_the_current_set_and_reset_clears_them(desk: Desk
     }
 
 
+def test_a_request_serving_its_latency_is_counted_as_delayed_before_it_takes_effect(
+    desk: Desk,
+) -> None:
+    ref = new_ref()
+    before = desk.stats()["delayed"]
+    desk.faults(latency_ms=3000)  # ample time to read the count while the request is held
+
+    with ThreadPoolExecutor(1) as pool:
+        created = pool.submit(desk.post, "/tickets", {"title": "t", "client_ref": ref})
+        wait_for(
+            lambda: desk.stats()["delayed"] > before or None,
+            seconds=POLL_SECONDS,
+            what="the request to be read and held",
+        )
+        # Counted while held: what the recovery tests wait for before freezing a caller.
+        assert desk.count(ref) == 0
+        assert created.result().status_code == 201
+
+    assert desk.stats()["delayed"] == before + 1
+    assert desk.count(ref) == 1
+    desk.faults(reset=True)
+    desk.post("/tickets", {"title": "t", "client_ref": new_ref()})
+    assert desk.stats()["delayed"] == before + 1  # no latency, not delayed
+
+
 @pytest.mark.parametrize(
     "bad",
     [

@@ -15,7 +15,6 @@ from executor import faults, services
 from executor.models import Phase, Run, Step
 from executor.states import State
 from tests.support.cluster import Cluster, Stall
-from tests.support.processes import tcp_connected
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -175,10 +174,10 @@ def kill_during_a_slow_call(cluster: Cluster, post: Callable[..., Step], tool: s
     cluster.desk.faults(latency_ms=IN_FLIGHT_LATENCY_MS)
     cluster.sweeper().start()
     worker = cluster.worker().start()
+    delayed_before = cluster.desk.delayed()
     step = post(tool, tool_input(tool))
-    pid = worker.pid
     cluster.wait_for(
-        lambda: tcp_connected(pid, cluster.desk.port), what="the request to reach the desk"
+        lambda: cluster.desk.delayed() > delayed_before, what="the request to reach the desk"
     )
     assert Step.objects.get(pk=step.pk).state == State.RUNNING
     worker.kill()

@@ -12,7 +12,7 @@ import pytest
 from executor.models import Attempt, Phase, Step
 from executor.states import State
 from tests.support.cluster import Cluster
-from tests.support.processes import Worker, tcp_connected
+from tests.support.processes import Worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -21,10 +21,9 @@ pytestmark = pytest.mark.django_db(transaction=True)
 DESK_LATENCY_MS = 6000
 
 
-def freeze_during_the_call(cluster: Cluster, step: Step, worker: Worker) -> None:
-    pid = worker.pid
+def freeze_during_the_call(cluster: Cluster, worker: Worker, delayed_before: int) -> None:
     cluster.wait_for(
-        lambda: tcp_connected(pid, cluster.desk.port), what="A's request to reach the desk"
+        lambda: cluster.desk.delayed() > delayed_before, what="A's request to reach the desk"
     )
     worker.pause()
 
@@ -34,8 +33,9 @@ def take_over(cluster: Cluster, post: Callable[..., Step], tool: str) -> tuple[S
     cluster.desk.faults(latency_ms=DESK_LATENCY_MS)
     cluster.sweeper().start()
     stale = cluster.worker("wa").start()
+    delayed_before = cluster.desk.delayed()
     step = post(tool, {"title": f"fenced {uuid.uuid4().hex[:8]}"})
-    freeze_during_the_call(cluster, step, stale)
+    freeze_during_the_call(cluster, stale, delayed_before)
     cluster.worker("wb").start()
     cluster.wait_state(step, State.COMPLETED, seconds=120)
     return step, stale

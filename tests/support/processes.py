@@ -19,7 +19,7 @@ import pytest
 
 from executor.drill import processes
 from executor.drill.clients import DeskClient
-from executor.drill.processes import Child, DeskProcess, command, in_call_to
+from executor.drill.processes import Child, DeskProcess, command
 from executor.models import Step
 
 POLL_SECONDS = 0.02
@@ -99,10 +99,6 @@ class Sweeper(Child):
         return sum(int(n) for n in re.findall(r"redispatched=(\d+)", self.log()))
 
 
-# The drill watches for the same moment: one implementation serves both.
-tcp_connected = in_call_to
-
-
 # --- the ticket desk ---------------------------------------------------------------------
 
 
@@ -121,6 +117,11 @@ class Desk(DeskClient):
 
     def count(self, client_ref: Any) -> int:
         return int(self.stats()["by_client_ref"].get(str(client_ref), 0))
+
+    def delayed(self) -> int:
+        """Requests that began serving the desk's latency: read whole, their effect not yet
+        decided. (A worker's open connection alone may not have sent its request yet.)"""
+        return int(self.stats()["delayed"])
 
     def ticket_ids(self, client_ref: Any) -> list[int]:
         return [int(ticket["ticket_id"]) for ticket in self.tickets(client_ref)]
