@@ -12,6 +12,7 @@ import logging
 import os
 import random
 import sys
+import threading
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
@@ -24,6 +25,9 @@ CRASH_EXIT_STATUS = 137
 
 _rates: dict[str, float] | None = None
 _rng = random.Random()
+# Held by the thread that ends the process: a second thread hitting a point meanwhile (the
+# write and read pools run in threads) waits here, so each logged hit is one ending.
+_ending = threading.Lock()
 
 
 def parse(spec: str) -> dict[str, float]:
@@ -78,6 +82,7 @@ def hit(point: str) -> None:
     """Ends the process at `point` with its configured probability."""
     rate = configured_rates().get(point, 0.0)
     if rate and _rng.random() < rate:
+        _ending.acquire()
         logger.warning("fault injected at %s: the process ends now", point)
         for stream in (sys.stdout, sys.stderr):
             stream.flush()

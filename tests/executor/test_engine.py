@@ -6,6 +6,9 @@ message dropped, and build each crash situation from the engine's own commit poi
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from datetime import datetime
@@ -581,6 +584,54 @@ def test_faults_with_permission_are_configured(settings: Any) -> None:
     settings.EXECUTOR_ALLOW_FAULTS = True
 
     assert faults.configured_rates() == {"after_submit": 0.2}
+
+
+# Eight threads reach a point whose rate is 1 at once, as the write pool's threads may. The
+# log handler writes a hit's line, then waits up to a second for a second hit's line: two
+# threads past the point would both be written before either ends the process.
+HITS_AT_ONCE = """
+import logging
+import sys
+import threading
+import django
+django.setup()
+from executor import faults
+
+class Meeting(logging.Handler):
+    second = threading.Barrier(2, timeout=1)
+    def handle(self, record):
+        sys.stderr.write(record.getMessage() + "\\n")
+        sys.stderr.flush()
+        try:
+            self.second.wait()
+        except threading.BrokenBarrierError:
+            pass
+        return True
+
+log = logging.getLogger("executor.faults")
+log.handlers, log.propagate = [Meeting()], False
+together = threading.Barrier(8)
+def call():
+    together.wait()
+    faults.hit("before_invoke")
+threads = [threading.Thread(target=call) for _ in range(8)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+"""
+
+
+def test_threads_hitting_a_point_at_once_end_the_process_once_and_log_one_hit() -> None:
+    env = {**os.environ, "EXECUTOR_FAULTS": "before_invoke:1", "EXECUTOR_ALLOW_FAULTS": "1"}
+
+    ended = subprocess.run(
+        [sys.executable, "-c", HITS_AT_ONCE], env=env, capture_output=True, text=True, timeout=60
+    )
+
+    assert ended.returncode == faults.CRASH_EXIT_STATUS, ended.stderr
+    # The drill counts logged hits as crashes: one ending, one line.
+    assert (ended.stdout + ended.stderr).count("fault injected at before_invoke") == 1
 
 
 @pytest.mark.usefixtures("fresh_faults")
