@@ -250,9 +250,14 @@ def test_extend_leases_renews_the_held_and_names_the_lost(agent: Agent, run: Run
 # --- threads and concurrent drainers ------------------------------------------------------------
 
 
-def drain_in_thread(worker: str, counts: dict[str, int]) -> threading.Thread:
+def drain_in_thread(
+    worker: str, counts: dict[str, int], start: threading.Barrier
+) -> threading.Thread:
     def run() -> None:
         try:
+            # Connected first, so neither drainer starts a connection behind the other.
+            connection.ensure_connection()
+            start.wait(timeout=30)
             counts[worker] = engine.drain(worker=worker)
         finally:
             connection.close()
@@ -267,7 +272,8 @@ def test_two_concurrent_drainers_never_claim_one_step_both(
     settings.EXECUTOR_BATCH_SIZE = 20
     steps = post_many(agent, run, "test.pure", 200)
     counts: dict[str, int] = {}
-    threads = [drain_in_thread(name, counts) for name in ("A", "B")]
+    start = threading.Barrier(2)
+    threads = [drain_in_thread(name, counts, start) for name in ("A", "B")]
 
     for thread in threads:
         thread.start()
