@@ -19,7 +19,7 @@ import pytest
 from django.contrib.auth.models import User
 from django.contrib.sessions.models import Session
 from django.utils import timezone
-from playwright.sync_api import Browser, Page, expect
+from playwright.sync_api import Browser, Page, Route, expect
 
 from executor import engine, faults, recovery, selectors, services
 from executor.models import Agent, Approval, Attempt, Event, Phase, Run, RunStatus, Step
@@ -265,6 +265,36 @@ def test_a_dead_letter_checked_in_the_inbox_is_replayed_and_the_other_stays_dead
     assert (replay.from_state, replay.to_state) == (State.DEAD, State.PENDING)
     assert replay.reason == "The partner's endpoint is back."
     assert events_by(left, "user:bob") == []
+
+
+@pytest.mark.usefixtures("tools")
+def test_a_refresh_of_the_list_while_a_replay_is_on_its_way_does_not_lose_its_answer(
+    bob_page: Page, live_server: Any, agent: Agent, run: Run
+) -> None:
+    """The list refreshes itself every 5 s; a replay's answer replaces the same list. A
+    refresh that lands while the replay is on its way must wait for it, or the answer finds
+    its target gone and the reviewer never sees what happened."""
+    page = bob_page
+    step = dead_letter(agent, run, "notify-partner-3")
+    open_page(page, live_server.url, "/?state=dead")
+    held: list[Route] = []
+    page.route("**/deadletters/replay/", lambda route: held.append(route))
+
+    page.get_by_label(f"Select {step.key} for replay").check()
+    bulk = page.get_by_test_id("bulk-replay-form")
+    bulk.get_by_label("Reason for replaying the selected dead letters").fill("Endpoint fixed.")
+    with page.expect_request("**/deadletters/replay/"):
+        bulk.get_by_role("button", name="Replay selected").click()
+    # The refresh, exactly as the list's own timer sends it, while the replay is held.
+    page.evaluate(
+        """() => htmx.ajax("GET", "/?state=dead",
+                           {source: "#inbox-list", target: "#inbox-list", swap: "outerHTML"})"""
+    )
+    held[0].continue_()
+
+    expect(page.get_by_test_id("bulk-notice")).to_have_text("Replayed 1 dead letter.")
+    expect(inbox_row(page, step)).to_have_count(0)
+    assert fresh(step).state == State.PENDING
 
 
 # --- 5. compensating a completed ticket --------------------------------------------------------
