@@ -22,6 +22,7 @@ from executor.models import Tool as ToolRow
 from executor.states import State
 from executor.tools.base import Invocation, ToolResult
 from tests.support import tooling
+from tests.support.postgres import end_backends
 from tests.support.tooling import PureTool, ReadTool, WriteTool, expire_lease, reload
 
 pytestmark = pytest.mark.django_db
@@ -361,15 +362,9 @@ def test_a_pool_connection_the_server_ended_between_drains_is_replaced_before_a_
     settings.EXECUTOR_WRITE_POOL = 2
     post_many(agent, run, "test.write", 6)
     assert engine.drain(worker="w1") == 6
-    with connection.cursor() as cursor:
-        # Every other session on the test database: the pool threads' (as a restart, or
-        # idle_session_timeout, would end them), waiting until each is gone.
-        cursor.execute(
-            "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity "
-            "WHERE datname = current_database() AND pid <> pg_backend_pid() "
-            "AND backend_type = 'client backend'"
-        )
-        ended = [row[0] for row in cursor.fetchall()]
+    # Every other session on the test database: the pool threads' (as a restart, or
+    # idle_session_timeout, would end them), waiting until each is gone.
+    ended = end_backends("backend_type = 'client backend'")
     assert ended
     assert all(ended)
     steps = again(agent, run, "after", 6)

@@ -17,6 +17,7 @@ from console.celery import app as celery_app
 from executor.drill import invariants
 from executor.drill.processes import Child
 from executor.models import Step
+from tests.support.postgres import end_backends
 from tests.support.processes import (
     Desk,
     Sweeper,
@@ -270,14 +271,7 @@ class Stall:
             wait_until(self._end_sleeping_backend, seconds=10, what="the stalled backend to end")
 
     def _end_sleeping_backend(self) -> bool:
-        with connection.cursor() as cursor:
-            # With a timeout, pg_terminate_backend returns once the backend has ended.
-            cursor.execute(
-                "SELECT pg_terminate_backend(pid, 10000) FROM pg_stat_activity "
-                "WHERE datname = current_database() AND wait_event = 'PgSleep' "
-                "AND pid <> pg_backend_pid()"
-            )
-            ended = [row[0] for row in cursor.fetchall()]
+        ended = end_backends("wait_event = 'PgSleep'")
         return bool(ended) and all(ended)
 
     def remove(self) -> None:
