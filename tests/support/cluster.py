@@ -38,8 +38,9 @@ FAST_EXECUTOR = {
 }
 
 
-# Holds one worker inside a chosen commit long enough to kill it there (PostgreSQL).
-STALL_SECONDS = 3
+# Holds one worker inside a chosen commit long enough to kill it there (PostgreSQL), and for
+# Stall.kill to find the sleeping backend afterwards on a loaded machine.
+STALL_SECONDS = 10
 
 
 STALL_MARKER = "stepward-test-stall"
