@@ -45,10 +45,19 @@ DEBUG = env_bool("DEBUG", False)
 DEVELOPMENT_SECRET_KEY = "stepward-insecure-development-key-change-me"  # noqa: S105
 
 
+# Where `make run` keeps the machine's key (made once, random, mode 0600).
+MACHINE_KEY_FILE = VAR_DIR / "secret.key"
+
+
 def secret_key() -> str:
-    """SECRET_KEY, or the contents of the file SECRET_KEY_FILE names (a mounted secret)."""
+    """SECRET_KEY, or the contents of the file SECRET_KEY_FILE names (a mounted secret), or,
+    with neither set, the machine's `var/secret.key` when `make run` has made one: so every
+    operator command and `manage.py mcp` started by a desktop assistant (which passes on
+    only the variables its configuration names) finds the key the running product uses."""
     key = os.environ.get("SECRET_KEY", "").strip()
     key_file = os.environ.get("SECRET_KEY_FILE", "").strip()
+    if not key and not key_file and MACHINE_KEY_FILE.is_file():
+        key_file = str(MACHINE_KEY_FILE)
     if not key and key_file:
         try:
             key = Path(key_file).read_text().strip()
@@ -295,6 +304,9 @@ API_BAD_TOKEN_RATE = os.environ.get("API_BAD_TOKEN_RATE", "30/min")
 API_CLIENT_ADDRESS_HEADER = os.environ.get("API_CLIENT_ADDRESS_HEADER", "")
 # How long an MCP tool call waits for its step before answering where it is (seconds).
 MCP_WAIT_SECONDS = float(os.environ.get("MCP_WAIT_SECONDS", "5"))
+# An MCP call without a `key` is the same step as an identical call (tool and arguments)
+# made within this many seconds before it: a framework's blind retry (0: never).
+MCP_DEDUP_SECONDS = env_int("MCP_DEDUP_SECONDS", 600)
 # With it set, GET /metrics needs `Authorization: Bearer <METRICS_TOKEN>` (API.md).
 METRICS_TOKEN = os.environ.get("METRICS_TOKEN", "")
 
@@ -340,7 +352,8 @@ BROKER_DIR = Path(os.environ.get("STEPWARD_BROKER_DIR", VAR_DIR / "broker"))
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "filesystem://")
 if CELERY_BROKER_URL in ("filesystem://", "stepwardfs://"):
     # kombu's filesystem transport, with atomic message files (see console/broker.py).
-    CELERY_BROKER_URL = "stepwardfs://"
+    # With a host named, kombu does not warn "No hostname was supplied" in every process.
+    CELERY_BROKER_URL = "stepwardfs://localhost/"
     CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, object] = {
         "data_folder_in": str(BROKER_DIR / "messages"),
         "data_folder_out": str(BROKER_DIR / "messages"),

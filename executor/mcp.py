@@ -2,8 +2,15 @@
 tools an agent sees, a call posted as a durable step and waited on a bounded time, and the
 answer an agent reads. `executor/mcp_server.py` puts them on the SDK's stdio and HTTP.
 
-Every function here is synchronous and touches the database: the server runs each in a
-thread of its own. Answers are redacted with the step's own secrets (executor/redaction.py).
+A key is one effect whatever the client does: every call of an agent without `run` goes into
+that agent's one MCP run (the same for every stdio process, every HTTP request, every day),
+so a `key` names the same step forever; a call without one gets a key derived from the tool
+and its arguments within MCP_DEDUP_SECONDS, so a framework's blind retry is the same step.
+
+Every answer is one JSON object (`Answer.structured`, with a plain-language `message`), sent
+both as structured content and as the text part, so a framework that keeps only one of them
+loses nothing. Every function here is synchronous and touches the database: the server runs
+each in a thread of its own. Answers are redacted with the step's own secrets.
 """
 
 from __future__ import annotations
@@ -14,7 +21,8 @@ import re
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -22,12 +30,12 @@ from django.urls import reverse
 from django.utils import timezone
 
 from executor import api, selectors, services
-from executor.models import Agent, Run, RunStatus, Step
+from executor.models import Agent, Run, RunStatus, Step, call_hash
 from executor.redaction import Redactor, redact
 from executor.schemas import storable_json, storable_text
 from executor.selectors import ToolInfo
 from executor.states import IN_FLIGHT, State
-from executor.tools.base import find_tool
+from executor.tools.base import Effect, find_tool
 
 # What the common MCP clients accept as a tool's name.
 NAME_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -39,6 +47,11 @@ RUN_ARGUMENT = "run"
 POLL_SECONDS = 0.2
 MAX_KEY_LENGTH = 200
 
+# Every call of an agent that names no run goes into this run of that agent's (API.md).
+MCP_RUN_KEY = "stepward-mcp"
+MCP_RUN_NAME = "MCP calls"
+DERIVED_KEY_PREFIX = "mcp-auto-"
+
 NEVER_AGAIN = (
     "Do not call the tool again for this: that could do it twice. Wait, then call "
     "step_status with step_id {step_id}."
@@ -47,43 +60,33 @@ NEVER_AGAIN = (
 
 @dataclass(frozen=True)
 class Answer:
-    """What a tool call answers: the text a model reads, the structured content, isError."""
+    """What a tool call answers: one JSON object (always with a `message` a model can act
+    on), sent as structured content and as the text part; isError when nothing happened."""
 
-    text: str
-    structured: dict[str, Any] | None = None
+    structured: dict[str, Any]
     is_error: bool = False
 
+    @property
+    def text(self) -> str:
+        return json.dumps(self.structured, ensure_ascii=False)
 
-def refusal(message: str) -> Answer:
-    return Answer(text=message, is_error=True)
+    @property
+    def message(self) -> str:
+        return str(self.structured.get("message", ""))
+
+
+def refusal(code: str, message: str) -> Answer:
+    """A call that was refused: nothing was posted."""
+    return Answer(structured={"error": code, "message": message}, is_error=True)
 
 
 @dataclass
 class Session:
-    """One MCP session of one agent: its calls without a `run` argument go into one run,
-    created on the first such call (idempotent by `run_key`, so a stateless transport that
-    names the same key each time shares the run).
-    """
+    """The agent an MCP connection (a stdio process, or one HTTP request) serves, and where
+    its answers link to. It holds no run: the agent's MCP run is found by its key."""
 
     agent: Agent
-    run_key: str
-    run_name: str
     base_url: str = ""
-    run_id: uuid.UUID | None = field(default=None)
-
-    @classmethod
-    def new(cls, agent: Agent, *, base_url: str, transport: str = "stdio") -> Session:
-        key = f"mcp-{transport}-{uuid.uuid4().hex}"
-        return cls(
-            agent=agent, run_key=key, run_name=f"MCP session ({transport})", base_url=base_url
-        )
-
-    @classmethod
-    def daily(cls, agent: Agent, *, base_url: str) -> Session:
-        """Over stateless HTTP there is no session to hold a run: a call without `run` goes
-        into the agent's MCP run of the day (UTC)."""
-        day = timezone.now().date().isoformat()
-        return cls(agent=agent, run_key=f"mcp-http-{day}", run_name=f"MCP {day}", base_url=base_url)
 
     def current_agent(self) -> Agent | None:
         """The agent again, still active and with the same token (a long stdio session
@@ -140,6 +143,9 @@ class ToolSpec:
     name: str
     description: str
     input_schema: dict[str, Any]
+    # MCP tool annotations (hints a client may use, e.g. to run read-only tools unasked).
+    read_only: bool = False
+    destructive: bool = False
 
 
 def control_names(schema: dict[str, Any]) -> tuple[str, str]:
@@ -161,12 +167,15 @@ def with_controls(schema: dict[str, Any]) -> dict[str, Any]:
             "type": "string",
             "minLength": 1,
             "maxLength": MAX_KEY_LENGTH,
-            "description": "Idempotency key within the run: a call with a key already used "
-            "answers that step, it never runs again. Give one to every call with an effect.",
+            "description": "Idempotency key: every call of this agent with this key is the "
+            "same step, from any session, forever; it never runs twice. Give one to every "
+            "call with an effect. Without one, the same call again within a few minutes is "
+            "taken for a retry of the first.",
         },
         run: {
             "type": "string",
-            "description": "A run id to post into (default: this session's run).",
+            "description": "A run id to post into (default: this agent's MCP run; a key is "
+            "then scoped to that run).",
         },
     }
     return schema
@@ -196,6 +205,8 @@ def tools_list(session: Session) -> list[ToolSpec]:
                 "to do instead of calling again."
             ),
             input_schema=with_controls(info.input_schema),
+            read_only=info.effect in (Effect.PURE, Effect.READ),
+            destructive=info.effect == Effect.DESTRUCTIVE,
         )
         for name, info in usable_tools(agent).items()
     ]
@@ -210,6 +221,7 @@ def tools_list(session: Session) -> list[ToolSpec]:
                 "properties": {"step_id": {"type": "string", "description": "The step's id."}},
                 "required": ["step_id"],
             },
+            read_only=True,
         )
     )
     specs.append(
@@ -220,9 +232,13 @@ def tools_list(session: Session) -> list[ToolSpec]:
             input_schema={
                 "type": "object",
                 "properties": {
-                    "run": {"type": "string", "description": "A run id (default: this session's)."}
+                    "run": {
+                        "type": "string",
+                        "description": "A run id (default: this agent's MCP run).",
+                    }
                 },
             },
+            read_only=True,
         )
     )
     return specs
@@ -241,7 +257,9 @@ def tools_call(
     """Carries out one `tools/call`: never raises for anything the agent sent."""
     agent = session.current_agent()
     if agent is None:
-        return refusal("This agent's token is no longer valid (deactivated or rotated).")
+        return refusal(
+            "unauthorized", "This agent's token is no longer valid (deactivated or rotated)."
+        )
     arguments = dict(arguments or {})
     if name == STEP_STATUS:
         return step_status(session, agent, arguments, sleep=sleep)
@@ -249,7 +267,9 @@ def tools_call(
         return run_report(session, agent, arguments)
     info = usable_tools(agent).get(name)
     if info is None:
-        return refusal(f"There is no tool {name!r} for this agent (list the tools again).")
+        return refusal(
+            "unknown_tool", f"There is no tool {name!r} for this agent (list the tools again)."
+        )
     return post_and_wait(session, agent, info, arguments, sleep=sleep)
 
 
@@ -266,38 +286,78 @@ def post_and_wait(
     run_id = arguments.pop(run_name, None)
     found = find_tool(info.name)
     redactor = Redactor.for_input(arguments, found.redact if found else ())
-    if key is None:
-        key = f"mcp-{uuid.uuid4().hex}"
     try:
-        if not isinstance(key, str) or not 1 <= len(key) <= MAX_KEY_LENGTH:
+        if key is not None and (not isinstance(key, str) or not 1 <= len(key) <= MAX_KEY_LENGTH):
             raise services.Invalid(f"`{key_name}` must be a string of 1 to 200 characters")
-        storable_text(key)
         storable_json(arguments)
-        run = session_run(session, agent, run_id)
+        run = call_run(agent, run_id)
+        if key is None:
+            key = derived_key(run, info.name, arguments, now=timezone.now())
+        storable_text(key)
         step, _ = services.step_post(
             agent=agent, run=run, key=key, tool_name=info.name, input=arguments
         )
     except services.ServiceError as error:
-        return refusal(redactor.text(f"Refused: {error.message}"))
+        return refusal(error.code, redactor.text(f"Refused: {_refused_because(error, run_id)}"))
     except ValueError as error:
-        return refusal(redactor.text(f"Refused: the input {error}"))
+        return refusal("invalid_body", redactor.text(f"Refused: the input {error}"))
     return step_answer(session, wait_settled(agent, step, sleep=sleep))
 
 
+def _refused_because(error: services.ServiceError, run_id: Any) -> str:
+    """The refusal's message, with what the agent can do about it."""
+    if isinstance(error, services.Conflict) and "run is cancelled" in error.message:
+        if run_id is None:
+            return (
+                "a person cancelled this agent's MCP run, which stops its MCP calls; ask them, "
+                "or pass `run` with the id of another run of this agent"
+            )
+        return f"{error.message}; pass another run, or none for this agent's MCP run"
+    if isinstance(error, services.Conflict) and "another call" in error.message:
+        return f"{error.message}: a key names one call; use a new key for a new call"
+    return error.message
+
+
 class NoSuchRun(services.Invalid):
-    pass
+    code = "not_found"
 
 
-def session_run(session: Session, agent: Agent, run_id: Any) -> Run:
-    """The run named by the call's `run` argument, or the session's (created now if not)."""
+def call_run(agent: Agent, run_id: Any) -> Run:
+    """The run named by the call's `run` argument, or the agent's MCP run (made once)."""
     if run_id is not None:
         run = _visible_run(agent, run_id)
         if run is None:
             raise NoSuchRun(f"no such run: {str(run_id)[:80]}")
         return run
-    run, _ = services.run_create(agent=agent, name=session.run_name, key=session.run_key)
-    session.run_id = run.pk
+    run, _ = services.run_create(agent=agent, name=MCP_RUN_NAME, key=MCP_RUN_KEY)
     return run
+
+
+def mcp_run(agent: Agent) -> Run | None:
+    """The agent's MCP run, if it has made one (nothing is created)."""
+    return Run.objects.filter(agent=agent, key=MCP_RUN_KEY).first()
+
+
+def derived_key(run: Run, tool: str, arguments: dict[str, Any], *, now: datetime) -> str:
+    """The key of a call that brought none: the same for the same tool and arguments within
+    MCP_DEDUP_SECONDS of the first such call, so a blind retry is the same step.
+
+    Keys are numbered by window (`…-<n>`); a call looks at the window before its own too,
+    and takes that key while its step is younger than the window. Two identical calls sent
+    at the same instant across a window's edge can still make two steps; a retry, which
+    comes after the call it repeats, cannot.
+    """
+    window = settings.MCP_DEDUP_SECONDS
+    if window <= 0:
+        return f"mcp-{uuid.uuid4().hex}"
+    digest = call_hash(tool, arguments)[:32]
+    number = int(now.timestamp() // window)
+    earlier = f"{DERIVED_KEY_PREFIX}{digest}-{number - 1}"
+    if Step.objects.filter(
+        run=run, key=earlier, created_at__gte=now - timedelta(seconds=window)
+    ).exists():
+        return earlier
+    return f"{DERIVED_KEY_PREFIX}{digest}-{number}"
 
 
 def _visible_run(agent: Agent, run_id: Any) -> Run | None:
@@ -342,96 +402,103 @@ def step_status(
     step = selectors.steps_for_agent(agent=agent).filter(pk=pk).first() if pk else None
     if step is None:
         # Another workspace's step answers exactly like one that does not exist.
-        return refusal("There is no such step for this agent.")
+        return refusal("not_found", "There is no such step for this agent.")
     return step_answer(session, wait_settled(agent, step, sleep=sleep))
 
 
 def run_report(session: Session, agent: Agent, arguments: dict[str, Any]) -> Answer:
-    run_id = arguments.get("run") or session.run_id
-    if run_id is None:
-        return Answer(text="This session has posted no step yet, so it has no run.")
-    run = _visible_run(agent, run_id)
+    named = arguments.get("run")
+    run = _visible_run(agent, named) if named else mcp_run(agent)
+    if run is None and named:
+        return refusal("not_found", "There is no such run for this agent.")
     if run is None:
-        return refusal("There is no such run for this agent.")
+        return Answer(
+            structured={
+                "run_id": None,
+                "message": "This agent has made no MCP call yet, so its MCP run is empty.",
+            }
+        )
     report = redact(selectors.run_report(run=run))
     report["run_id"] = str(run.pk)
-    return Answer(text=f"Run {run.pk}: {report['summary']}", structured=_jsonable(report))
+    report["message"] = f"Run {run.pk}: {report['summary']}"
+    return Answer(structured=_jsonable(report))
 
 
 # --- a step as an answer --------------------------------------------------------------------
 
 
 def step_answer(session: Session, step: Step) -> Answer:
-    """What the agent reads of a step: its result, or a clear text of what it waits for and
-    what to do; isError only when it ended without its effect. Redacted throughout."""
+    """What the agent reads of a step: its state, its result, and a `message` saying what it
+    waits for and what to do; isError only when it ended without its effect. Redacted."""
     found = find_tool(step.tool_id)
     redactor = Redactor.for_input(step.input, found.redact if found else ())
-    url = session.step_url(step.pk)
+    message, is_error = _describe(step)
     facts: dict[str, Any] = {
         "step_id": str(step.pk),
         "run_id": str(step.run_id),
         "key": step.key,
         "tool": step.tool_id,
         "state": step.state,
-        "console_url": url,
+        "console_url": session.step_url(step.pk),
+        "message": message,
     }
-    text, is_error = _describe(step, url)
     if step.state in (State.COMPLETED, State.COMPENSATED):
         facts["result"] = step.result
         facts["external_id"] = step.external_id
     if step.failure_class:
         facts["failure"] = {"class": step.failure_class, "message": step.failure_message}
     structured = _jsonable(redactor(facts))
-    return Answer(text=redactor.text(text), structured=structured, is_error=is_error)
+    structured["message"] = redactor.text(structured["message"])
+    return Answer(structured=structured, is_error=is_error)
 
 
-def _describe(step: Step, url: str) -> tuple[str, bool]:
+def _describe(step: Step) -> tuple[str, bool]:
+    """The guidance a model acts on, and whether the call ended without its effect."""
     state = State(step.state)
-    where = f"Step {step.pk} ({step.tool_id}, key {step.key!r}); console: {url}."
     again = NEVER_AGAIN.format(step_id=step.pk)
     failure = f"{step.failure_class or 'failed'}: {step.failure_message}".strip()
     if state == State.COMPLETED:
-        result = json.dumps(redact(step.result), default=str)
-        return f"Completed. Result: {result}\n{where}", False
+        return (
+            "Completed: it happened, once; its result is in `result`. Calling again with the "
+            "same key answers this same step.",
+            False,
+        )
     if state == State.COMPENSATED:
-        return f"It happened and was undone since (compensated). {where}", False
+        return "It happened and was undone since (compensated).", False
     if state == State.UNKNOWN:
         return (
             "Outcome unknown: the call may or may not have happened, and Stepward will not "
             "guess. A reviewer has it (and the tool's system is asked where it can be). "
-            f"{where} {again}",
+            f"{again}",
             False,
         )
     if state == State.BLOCKED:
         return (
             "Blocked: the executor would not run it as things stand (a permission or an "
-            f"approval no longer holds); a reviewer has it. {where} {again}",
+            f"approval no longer holds); a reviewer has it. {again}",
             False,
         )
     if state == State.PLANNED:
         return (
-            f"Awaiting approval: a reviewer must approve this call before it runs. {where} {again}",
+            f"Awaiting approval by a person: it runs once a reviewer approves it. {again}",
             False,
         )
     if state in IN_FLIGHT and step.run.status == RunStatus.PAUSED:
         reason = step.run.pause_reason or "paused"
         return (
             f"Paused: its run is paused ({reason}); it runs when a reviewer resumes the run. "
-            f"{where} {again}",
+            f"{again}",
             False,
         )
     if state in IN_FLIGHT:
-        return f"Still running ({state}): the executor will finish it. {where} {again}", False
+        return f"Still running ({state}): the executor will finish it. {again}", False
     if state == State.DEAD:
-        return (
-            f"Failed after every retry ({failure}). A reviewer may replay it. {where}",
-            True,
-        )
+        return f"Failed after every retry ({failure}). A reviewer may replay it.", True
     if state == State.REJECTED:
-        return f"Rejected by a reviewer: it did not run. {where}", True
+        return "Rejected by a reviewer: it did not run.", True
     if state == State.CANCELLED:
-        return f"Cancelled: it did not run. {where}", True
-    return f"Failed ({failure}). {where}", True
+        return "Cancelled: it did not run.", True
+    return f"Failed ({failure}); it is not retried.", True
 
 
 def _jsonable(value: Any) -> dict[str, Any]:

@@ -34,9 +34,10 @@ from executor.models import Agent
 SERVER_NAME = "stepward"
 INSTRUCTIONS = (
     "Each tool call is a durable step that runs once. Give every call with an effect a "
-    "`key`: the same key again is the same step, never a second one. An answer that is not "
-    "a result (unknown, awaiting approval, blocked, paused, still running) names a step id: "
-    "do not call the tool again; wait, then ask step_status."
+    "`key`: the same key again, from any session, is the same step, never a second one. "
+    "Every answer is a JSON object whose `message` says what happened and what to do. An "
+    "answer that is not a result (unknown, awaiting approval, blocked, paused, still "
+    "running) names a step id: do not call the tool again; wait, then ask step_status."
 )
 
 
@@ -63,7 +64,13 @@ def build_server(session: mcp.Session) -> Server[Any]:
         return types.ListToolsResult(
             tools=[
                 types.Tool(
-                    name=spec.name, description=spec.description, input_schema=spec.input_schema
+                    name=spec.name,
+                    description=spec.description,
+                    input_schema=spec.input_schema,
+                    annotations=types.ToolAnnotations(
+                        read_only_hint=spec.read_only,
+                        destructive_hint=None if spec.read_only else spec.destructive,
+                    ),
                 )
                 for spec in specs
             ]
@@ -73,6 +80,8 @@ def build_server(session: mcp.Session) -> Server[Any]:
         ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
     ) -> types.CallToolResult:
         answer = await _in_thread(lambda: mcp.tools_call(session, params.name, params.arguments))
+        # The same JSON twice, as the specification asks: a client that keeps only the text
+        # (or only the structured content) loses nothing.
         return types.CallToolResult(
             content=[types.TextContent(type="text", text=answer.text)],
             structured_content=answer.structured,
@@ -93,7 +102,7 @@ def build_server(session: mcp.Session) -> Server[Any]:
 
 async def serve_stdio(agent: Agent) -> None:
     """Serves one MCP session on this process's stdin and stdout until the client leaves."""
-    session = mcp.Session.new(agent, base_url=settings.STEPWARD_PUBLIC_URL, transport="stdio")
+    session = mcp.Session(agent, base_url=settings.STEPWARD_PUBLIC_URL)
     server = build_server(session)
     async with stdio_server() as (read_stream, write_stream):
         await server.run(read_stream, write_stream, server.create_initialization_options())
@@ -128,7 +137,7 @@ def mcp_http(request: HttpRequest) -> HttpResponse:
         )
         response["Retry-After"] = str(wait)
         return response
-    session = mcp.Session.daily(agent, base_url=request.build_absolute_uri("/"))
+    session = mcp.Session(agent, base_url=request.build_absolute_uri("/"))
     status, headers, body = run_to_completion(_serve_one(build_server(session), request))
     answer = HttpResponse(body, status=status)
     for name, value in headers:

@@ -178,8 +178,16 @@ def test_make_run_makes_a_private_key_once_and_the_settings_accept_it(tmp_path: 
     assert make_key().stdout == ""  # kept, not made again
     assert key_file.read_text() == key
 
-    # `make run` hands it to every process as SECRET_KEY_FILE.
+    # `make run` hands it to every process as SECRET_KEY_FILE...
     assert loaded(tmp_path, SECRET_KEY_FILE=str(key_file))["SECRET_KEY"] == key
+    # ...and every other command (an operator's, or `manage.py mcp` started by a desktop
+    # assistant that passes on only what its configuration names) finds it by itself.
+    assert loaded(tmp_path)["SECRET_KEY"] == key
+    checked = manage(tmp_path, "check")
+    assert checked.returncode == 0, checked.stderr
+    # What is set still wins over the machine's file.
+    other = real_key()
+    assert loaded(tmp_path, SECRET_KEY=other)["SECRET_KEY"] == other
 
 
 # --- HTTPS_ONLY ---------------------------------------------------------------------------

@@ -4,9 +4,12 @@ answers, refusals. The SDK's clients against real processes are in tests/recover
 
 from __future__ import annotations
 
+import json
+from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.utils import timezone
 
 from executor import mcp, services
 from executor.models import Agent, Run, RunStatus, Step
@@ -19,7 +22,13 @@ SECRET = "sk-live-0123456789abcdef"
 @pytest.fixture
 def session(agent: Agent, settings: Any) -> mcp.Session:
     settings.MCP_WAIT_SECONDS = 0  # nothing runs the steps here: answer at once
-    return mcp.Session.new(agent, base_url="https://stepward.example.com")
+    return mcp.Session(agent, base_url="https://stepward.example.com")
+
+
+def assert_readable_by_every_framework(answer: mcp.Answer) -> None:
+    """One JSON object with a message, as structured content and as the text alike."""
+    assert answer.structured["message"]
+    assert json.loads(answer.text) == answer.structured
 
 
 def test_names_are_ones_every_client_accepts_and_map_back_one_to_one() -> None:
@@ -56,7 +65,8 @@ def test_a_completed_step_answers_its_result(session: mcp.Session, run: Run) -> 
     assert answer.structured is not None
     assert answer.structured["result"] == {"ticket_id": 7}
     assert answer.structured["console_url"] == (f"https://stepward.example.com/steps/{step.pk}/")
-    assert '"ticket_id": 7' in answer.text
+    assert answer.message.startswith("Completed")
+    assert_readable_by_every_framework(answer)
 
 
 @pytest.mark.parametrize(
@@ -74,10 +84,12 @@ def test_a_step_waiting_answers_what_to_do_never_an_error(
     step = step_in(run, state)
     answer = mcp.step_answer(session, Step.objects.select_related("run").get(pk=step.pk))
     assert not answer.is_error
-    assert words in answer.text
-    assert str(step.pk) in answer.text
-    assert "Do not call the tool again" in answer.text
-    assert f"/steps/{step.pk}/" in answer.text
+    assert words in answer.message
+    assert str(step.pk) in answer.message
+    assert "Do not call the tool again" in answer.message
+    assert answer.structured["state"] == state
+    assert answer.structured["console_url"].endswith(f"/steps/{step.pk}/")
+    assert_readable_by_every_framework(answer)
 
 
 def test_a_step_of_a_paused_run_says_paused(session: mcp.Session, run: Run) -> None:
@@ -85,8 +97,8 @@ def test_a_step_of_a_paused_run_says_paused(session: mcp.Session, run: Run) -> N
     Run.objects.filter(pk=run.pk).update(status=RunStatus.PAUSED, pause_reason="budget: calls")
     answer = mcp.step_answer(session, Step.objects.select_related("run").get(pk=step.pk))
     assert not answer.is_error
-    assert "Paused" in answer.text
-    assert "budget: calls" in answer.text
+    assert "Paused" in answer.message
+    assert "budget: calls" in answer.message
 
 
 @pytest.mark.parametrize("state", [State.FAILED, State.DEAD])
@@ -96,16 +108,17 @@ def test_a_failed_step_is_an_error_with_its_failure_class(
     step = step_in(run, state)
     answer = mcp.step_answer(session, Step.objects.select_related("run").get(pk=step.pk))
     assert answer.is_error
-    assert step.failure_class in answer.text
-    assert answer.structured is not None
+    assert step.failure_class in answer.message
+    assert answer.message.startswith("Failed")
     assert answer.structured["failure"]["class"] == step.failure_class
+    assert_readable_by_every_framework(answer)
 
 
 def test_secrets_of_the_input_never_come_back(session: mcp.Session) -> None:
     answer = mcp.tools_call(
         session, "echo", {"message": f"my token is {SECRET}", "api_token": SECRET}
     )
-    step = Step.objects.get(pk=answer.structured["step_id"])  # type: ignore[index]
+    step = Step.objects.get(pk=answer.structured["step_id"])
     Step.objects.filter(pk=step.pk).update(
         state=State.FAILED, failure_class="permanent", failure_message=f"refused {SECRET}"
     )
@@ -119,15 +132,73 @@ def test_the_same_key_is_the_same_step_and_another_call_under_it_is_refused(
     session: mcp.Session,
 ) -> None:
     first = mcp.tools_call(session, "echo", {"message": "a", "key": "k"})
-    again = mcp.tools_call(session, "echo", {"message": "a", "key": "k"})
-    other = mcp.tools_call(session, "echo", {"message": "b", "key": "k"})
-    assert first.structured is not None
-    assert again.structured is not None
+    # Another session of the same agent: another stdio process, or an HTTP request.
+    elsewhere = mcp.Session(session.agent, base_url="http://other")
+    again = mcp.tools_call(elsewhere, "echo", {"message": "a", "key": "k"})
+    other = mcp.tools_call(elsewhere, "echo", {"message": "b", "key": "k"})
     assert first.structured["step_id"] == again.structured["step_id"]
     assert other.is_error
+    assert other.structured["error"] == "conflict"
+    assert "use a new key for a new call" in other.message
+    assert_readable_by_every_framework(other)
     assert Step.objects.filter(key="k").count() == 1
-    # The session's run was created on the first call, once.
-    assert Run.objects.filter(key=session.run_key).count() == 1
+    # The agent's MCP run was created on the first call, once.
+    assert Run.objects.filter(key=mcp.MCP_RUN_KEY).count() == 1
+
+
+def test_calls_without_a_key_are_one_step_for_the_same_call_within_the_window(
+    session: mcp.Session, settings: Any
+) -> None:
+    settings.MCP_DEDUP_SECONDS = 600
+    first = mcp.tools_call(session, "echo", {"message": "a"})
+    retry = mcp.tools_call(mcp.Session(session.agent), "echo", {"message": "a"})
+    other = mcp.tools_call(session, "echo", {"message": "b"})
+    assert first.structured["step_id"] == retry.structured["step_id"]
+    assert other.structured["step_id"] != first.structured["step_id"]
+    assert Step.objects.count() == 2
+
+
+def test_a_derived_key_holds_across_the_edge_of_its_window_and_no_longer(
+    run: Run, settings: Any
+) -> None:
+    settings.MCP_DEDUP_SECONDS = 600
+    edge = timezone.now().replace(microsecond=0)
+    edge -= timedelta(seconds=int(edge.timestamp()) % 600)  # where a window starts
+    before = mcp.derived_key(run, "echo", {"m": 1}, now=edge - timedelta(seconds=1))
+    services.step_post(agent=run.agent, run=run, key=before, tool_name="echo", input={"m": 1})
+    Step.objects.filter(key=before).update(created_at=edge - timedelta(seconds=1))
+    # One second later, in the next window: still the same call.
+    assert mcp.derived_key(run, "echo", {"m": 1}, now=edge) == before
+    # Other arguments are another call.
+    assert mcp.derived_key(run, "echo", {"m": 2}, now=edge) != before
+    # A window after the first call, it is a new one.
+    later = mcp.derived_key(run, "echo", {"m": 1}, now=edge + timedelta(seconds=600))
+    assert later != before
+
+
+def test_without_a_window_every_call_without_a_key_is_a_new_step(
+    session: mcp.Session, settings: Any
+) -> None:
+    settings.MCP_DEDUP_SECONDS = 0
+    mcp.tools_call(session, "echo", {"message": "a"})
+    mcp.tools_call(session, "echo", {"message": "a"})
+    assert Step.objects.count() == 2
+
+
+def test_a_cancelled_mcp_run_refuses_new_calls_and_says_what_to_do(
+    session: mcp.Session,
+) -> None:
+    done = mcp.tools_call(session, "echo", {"message": "a", "key": "before"})
+    run = mcp.mcp_run(session.agent)
+    assert run is not None
+    services.run_cancel(run=run, actor="user:alice", reason="stop")
+    refused = mcp.tools_call(session, "echo", {"message": "b", "key": "after"})
+    assert refused.is_error
+    assert "cancelled this agent's MCP run" in refused.message
+    assert_readable_by_every_framework(refused)
+    # The step already posted is still answered under its key.
+    again = mcp.tools_call(session, "echo", {"message": "a", "key": "before"})
+    assert again.structured["step_id"] == done.structured["step_id"]
 
 
 @pytest.mark.parametrize(
@@ -148,7 +219,8 @@ def test_bad_calls_answer_a_clear_error_and_post_nothing(
 ) -> None:
     answer = mcp.tools_call(session, name, arguments)
     assert answer.is_error
-    assert answer.text
+    assert answer.structured["error"]
+    assert_readable_by_every_framework(answer)
     assert not Step.objects.exists()
 
 
@@ -160,14 +232,18 @@ def test_a_deactivated_agent_is_refused_mid_session(session: mcp.Session) -> Non
     assert not Step.objects.exists()
 
 
-def test_run_report_answers_the_sessions_run(session: mcp.Session) -> None:
-    assert not mcp.tools_call(session, "run_report", {}).is_error
+def test_run_report_answers_the_agents_mcp_run_from_any_session(session: mcp.Session) -> None:
+    empty = mcp.tools_call(session, "run_report", {})
+    assert not empty.is_error
+    assert "no MCP call yet" in empty.message
     mcp.tools_call(session, "echo", {"message": "hi", "key": "one"})
-    report = mcp.tools_call(session, "run_report", {})
+    report = mcp.tools_call(mcp.Session(session.agent), "run_report", {})
     assert not report.is_error
-    assert report.structured is not None
-    assert report.structured["run_id"] == str(session.run_id)
+    run = mcp.mcp_run(session.agent)
+    assert run is not None
+    assert report.structured["run_id"] == str(run.pk)
     assert [entry["key"] for entry in report.structured["pending"]] == ["one"]
+    assert_readable_by_every_framework(report)
 
 
 # The server reads the ledger in threads of its own: they must see what the test wrote.
