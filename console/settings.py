@@ -315,6 +315,9 @@ METRICS_TOKEN = os.environ.get("METRICS_TOKEN", "")
 STEPWARD_TOOLS = env_list("STEPWARD_TOOLS", "executor.tools.builtins")
 # How often a process looks whether the HTTP tools defined as data changed (seconds).
 EXECUTOR_TOOL_REFRESH_SECONDS = float(os.environ.get("EXECUTOR_TOOL_REFRESH_SECONDS", "2"))
+# How long an MCP upstream gets to start (a stdio command) or be reached, and answer its
+# initialization, before it counts as unavailable (API.md "MCP gateway").
+EXECUTOR_UPSTREAM_START_SECONDS = float(os.environ.get("EXECUTOR_UPSTREAM_START_SECONDS", "30"))
 EXECUTOR_LEASE_SECONDS = env_int("EXECUTOR_LEASE_SECONDS", 60)
 # Keys the events' hash chain. Keep it stable: changing it makes verify_ledger report every
 # event written before the change. Defaults to a value derived from SECRET_KEY.

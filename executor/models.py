@@ -182,6 +182,47 @@ class HttpToolSpec(models.Model):
         return self.name
 
 
+class McpUpstream(models.Model):
+    """An existing MCP server behind Stepward (API.md "MCP gateway"): `manage.py load_tools`
+    or admin write what an operator declares; the workers, which alone hold the upstream's
+    credentials, connect to it, list its tools here and call them (executor/gateway/).
+
+    Each listed tool becomes the Stepward tool `<name>.<tool>`. What a tool declares (effect,
+    idempotency, approval…) comes from its entry in `tool_settings`, else from its MCP
+    annotations when `trust_annotations`, else from `defaults`. `${NAME}` in `env`,
+    `headers` and `url` is read from the worker's environment when it connects.
+    """
+
+    name = models.CharField(max_length=40, unique=True)
+    description = models.TextField(blank=True)
+    # stdio: the argv a worker starts; streamable HTTP: the URL. Exactly one of them is set.
+    command = models.JSONField(default=list, blank=True)
+    cwd = models.CharField(max_length=1000, blank=True)
+    env = models.JSONField(default=dict, blank=True)
+    url = models.CharField(max_length=2000, blank=True)
+    headers = models.JSONField(default=dict, blank=True)
+    trust_annotations = models.BooleanField(default=False)
+    defaults = models.JSONField(default=dict, blank=True)
+    tool_settings = models.JSONField(default=dict, blank=True)
+    timeout_seconds = models.FloatField(default=60.0)
+    # What a worker last listed: [{name, description, input_schema, annotations}]. Written
+    # only when it changed (it is part of every listed tool's policy version).
+    listed_tools = models.JSONField(default=list, blank=True)
+    server_info = models.JSONField(default=dict, blank=True)
+    listed_at = models.DateTimeField(null=True, blank=True)
+    # The last attempt to list, successful or not (updated without touching updated_at).
+    checked_at = models.DateTimeField(null=True, blank=True)
+    list_error = models.TextField(blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+        verbose_name = "MCP upstream"
+
+    def __str__(self) -> str:
+        return self.name
+
+
 class ToolPolicy(models.Model):
     """Whether a person approves each call of a tool in one workspace (issue 11): set in
     admin or with `manage.py tool_policy`; without one, the tool's own declaration holds.

@@ -76,6 +76,21 @@ def scrub(text: str, secrets: Iterable[str]) -> str:
     return text
 
 
+def scrub_strings(value: Any, secrets: Iterable[str]) -> Any:
+    """A copy of `value` with every string in it scrubbed of `secrets`, keys left as they are:
+    for what a tool returns, before it is stored (values a tool read from its environment)."""
+    secrets = frozenset(secrets)
+    if not secrets:
+        return value
+    if isinstance(value, Mapping):
+        return {key: scrub_strings(item, secrets) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [scrub_strings(item, secrets) for item in value]
+    if isinstance(value, str):
+        return scrub(value, secrets)
+    return value
+
+
 def redact(
     value: Any, *, fields: frozenset[str] = frozenset(), secrets: frozenset[str] = frozenset()
 ) -> Any:

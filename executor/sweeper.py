@@ -16,7 +16,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
-from executor import dispatch, engine, ledger, policy, progress, recovery
+from executor import dispatch, engine, ledger, policy, progress, recovery, services
 from executor.models import Run, RunStatus, Step, SweeperLease
 from executor.states import State
 
@@ -67,13 +67,28 @@ def release_lease(owner: str) -> None:
 
 
 def sweep(*, owner: str) -> SweepReport | None:
-    """One pass; None when another sweeper holds the lease."""
+    """One pass; None when another sweeper holds the lease. Then, outside the lease (an
+    upstream slow to start must not hold it), the MCP upstreams that are due are asked for
+    their tools."""
     if not take_lease(owner):
         return None
     try:
-        return sweep_once(owner=owner)
+        report = sweep_once(owner=owner)
     finally:
         release_lease(owner)
+    relist_upstreams()
+    return report
+
+
+def relist_upstreams() -> None:
+    try:
+        for listed in services.upstreams_relist():
+            if listed.changed:
+                logger.info(
+                    "sweep: upstream %s lists %d tool(s)", listed.upstream, len(listed.tools)
+                )
+    except Exception:
+        logger.exception("sweeper: listing the MCP upstreams failed")
 
 
 def isolated(action: Callable[..., str], step_id: Any, *, actor: str) -> bool:

@@ -53,6 +53,8 @@ LAYERS: list[tuple[str, list[str]]] = [
         [
             r"executor\.tools\.(?!base$|loader$|builtins$)\w+",
             r"executor\.tools\.builtins",
+            # The MCP gateway: upstreams' tools as tools, and this process's sessions with them.
+            r"executor\.gateway(\.\w+)?",
             r"executor\.ledger",
             r"executor\.selectors",
             r"executor\.metrics",

@@ -25,6 +25,7 @@ from executor import services
 from executor.drill.config import DrillError
 from executor.models import Attempt, Event, Run, Step
 from executor.tools import http as http_tools
+from executor.tools.files import ToolFileError, read_tool_file
 
 # What the drill posts to every desk write, the built-in ones and the file's alike.
 DRILL_INPUT: dict[str, Any] = {"title": "drill ticket 0", "body": "recovery drill"}
@@ -56,9 +57,11 @@ def read_tools_file(path: str, tools: str = "") -> ToolsFile:
     empty, every write tool of the file that is no other tool's compensation."""
     file = Path(path).resolve()
     try:
-        tables = http_tools.read_tool_file(file)
-    except http_tools.ToolFileError as error:
+        tables = read_tool_file(file).tools
+    except ToolFileError as error:
         raise DrillError(f"--tools-file {error}") from None
+    if not tables:
+        raise DrillError(f"--tools-file {file}: no [[tool]] tables (the drill runs HTTP tools)")
     by_name = {t["name"]: t for t in tables if isinstance(t.get("name"), str)}
     undoes = {
         t["compensation"]: name

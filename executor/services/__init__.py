@@ -69,7 +69,9 @@ from executor.services.tools import (
     ToolsLoaded,
     http_tools_load,
     tool_policy_set,
+    tools_load,
     tools_sync,
+    upstreams_relist,
 )
 
 __all__ = [
@@ -122,7 +124,9 @@ __all__ = [
     "steps_post",
     "summary_of",
     "tool_policy_set",
+    "tools_load",
     "tools_sync",
+    "upstreams_relist",
     "user_actor",
     "workspace_get_or_create",
 ]

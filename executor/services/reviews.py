@@ -394,7 +394,7 @@ def compensation_request(*, step: Step, user: User, version: int, reason: str) -
             f"a compensation is already {open_request.state}", {"step_id": str(open_request.pk)}
         )
     comp_tool = get_tool(tool.compensation)
-    comp_input = tool.compensation_input(step.external_id, step.result)
+    comp_input = tool.compensation_input_for(step.input, step.external_id, step.result)
     n = step.compensations.count() + 1
     key = f"{step.key}:compensation" + (f"-{n}" if n > 1 else "")
     now = timezone.now()

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import jsonschema
 from django.db import models
+from jsonschema.protocols import Validator
 
 from executor.redaction import Redactor, is_secret_key
 
@@ -190,7 +191,7 @@ class Tool:
     # Input fields never shown, summarized or copied into evidence, at any nesting level;
     # besides them, every key that looks like a secret is redacted (executor/redaction.py).
     redact: ClassVar[frozenset[str]] = frozenset()
-    _validator: ClassVar[jsonschema.Draft202012Validator | None] = None
+    _validator: ClassVar[Validator | None] = None
     # Only an authoritative lookup's `not_found` proves that nothing happened.
     lookup_authoritative: ClassVar[bool] = False
     # Whether invoke() checks the fence token it is given (DESIGN.md §7).
@@ -250,6 +251,13 @@ class Tool:
         """The input of the compensating tool's step that undoes a completed call."""
         return {"external_id": external_id, "result": result}
 
+    def compensation_input_for(
+        self, input: dict[str, Any], external_id: str, result: Any
+    ) -> dict[str, Any]:
+        """The same, for a tool whose undo needs the call's own input too (an MCP upstream's
+        tools are undone with the arguments they were called with)."""
+        return self.compensation_input(external_id, result)
+
     # --- derived ------------------------------------------------------------------------
 
     @classmethod
@@ -307,11 +315,12 @@ class Tool:
         return {}
 
     @classmethod
-    def validator(cls) -> jsonschema.Draft202012Validator:
-        """The input schema's validator, built once per tool class."""
+    def validator(cls) -> Validator:
+        """The input schema's validator, built once per tool class: the draft its `$schema`
+        names (an MCP server's may be draft-07), else 2020-12."""
         built = cls.__dict__.get("_validator")
         if built is None or built.schema is not cls.input_schema:
-            built = jsonschema.Draft202012Validator(cls.input_schema)
+            built = validator_class(cls.input_schema)(cls.input_schema)
             cls._validator = built
         return built
 
@@ -354,6 +363,14 @@ class RegistrationError(Exception):
     pass
 
 
+def validator_class(schema: Any) -> type[Validator]:
+    """The validator of the draft `schema` names in `$schema`, else Draft 2020-12's."""
+    found: type[Validator] = jsonschema.validators.validator_for(
+        schema, default=jsonschema.Draft202012Validator
+    )
+    return found
+
+
 _registry: dict[str, Tool] = {}
 
 
@@ -372,7 +389,7 @@ def check_declarations(cls: type[Tool]) -> None:
     if cls.invoke is Tool.invoke:
         raise RegistrationError(f"tool {cls.name} does not implement invoke()")
     try:
-        jsonschema.Draft202012Validator.check_schema(cls.input_schema)
+        validator_class(cls.input_schema).check_schema(cls.input_schema)
     except jsonschema.SchemaError as error:
         raise RegistrationError(f"tool {cls.name}: bad input_schema: {error.message}") from error
     if cls.input_schema.get("type") != "object":

@@ -17,9 +17,7 @@ import os
 import re
 import threading
 import time
-import tomllib
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import quote, urlsplit
 
@@ -30,7 +28,7 @@ from django.db import DatabaseError
 from django.db.models import Count, Max
 
 from executor.models import HttpToolSpec
-from executor.redaction import scrub
+from executor.redaction import scrub, scrub_strings
 from executor.tools import outbound
 from executor.tools.base import (
     ApprovalRule,
@@ -84,29 +82,6 @@ REQUIRED = ("name", "effect", "url")
 
 
 # --- the spec ---------------------------------------------------------------------------------
-
-
-class ToolFileError(ValueError):
-    """A TOML file of HTTP tools that cannot be read; the message names the file."""
-
-
-def read_tool_file(path: Path) -> list[dict[str, Any]]:
-    """The [[tool]] tables of a TOML file, unchecked (`spec_errors` checks each one)."""
-    try:
-        data = tomllib.loads(path.read_text())
-    except OSError as error:
-        raise ToolFileError(f"{path}: {error.strerror or error}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
-        raise ToolFileError(f"{path}: not TOML: {error}") from None
-    unknown = sorted(set(data) - {"tool"})
-    if unknown:
-        raise ToolFileError(f"{path}: unknown table(s) {', '.join(unknown)}; expected [[tool]]")
-    tables = data.get("tool", [])
-    if not isinstance(tables, list) or not tables:
-        raise ToolFileError(f"{path}: no [[tool]] tables")
-    if not all(isinstance(table, dict) for table in tables):
-        raise ToolFileError(f"{path}: every tool must be a [[tool]] table")
-    return tables
 
 
 def render_env(template: str, *, secrets: set[str] | None = None) -> str:
@@ -266,7 +241,7 @@ class HttpTool(Tool):
             answer = _json_or_text(response)
             external = _field(answer, spec.external_id) if spec.external_id else ""
             return ToolResult(
-                result=_scrubbed(answer, secrets),
+                result=scrub_strings(answer, secrets),
                 external_id=scrub(str(external or ""), secrets),
                 evidence={"status": status},
             )
@@ -300,7 +275,7 @@ class HttpTool(Tool):
         return Lookup(
             LookupOutcome.FOUND,
             external_id=scrub(str(external or ""), secrets),
-            result=_scrubbed(first, secrets),
+            result=scrub_strings(first, secrets),
             evidence=evidence,
         )
 
@@ -410,16 +385,6 @@ def _retry_after(response: httpx.Response) -> float | None:
         return max(0.0, float(response.headers.get("Retry-After", "")))
     except ValueError:
         return None
-
-
-def _scrubbed(value: Any, secrets: set[str]) -> Any:
-    if isinstance(value, dict):
-        return {k: _scrubbed(v, secrets) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_scrubbed(v, secrets) for v in value]
-    if isinstance(value, str) and secrets:
-        return scrub(value, secrets)
-    return value
 
 
 def tool_class(spec: HttpToolSpec) -> type[HttpTool]:

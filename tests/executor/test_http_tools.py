@@ -168,7 +168,7 @@ def test_loading_the_same_file_again_changes_nothing(loaded: httpx.Client, tmp_p
     lines = load(tmp_path, toml(loaded, DESK_TOOLS))
 
     assert lines[0] == (
-        "4 were unchanged: desk.close_ticket, desk.create_ticket, desk.create_ticket_keyed, "
+        "4 tools were unchanged: desk.close_ticket, desk.create_ticket, desk.create_ticket_keyed, "
         "desk.echo"
     )
 

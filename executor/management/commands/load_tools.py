@@ -1,4 +1,5 @@
-"""`manage.py load_tools FILE.toml [--check] [--prune]`: HTTP tools as data (API.md)."""
+"""`manage.py load_tools FILE.toml [--check] [--prune] [--no-connect]`: HTTP tools and MCP
+upstreams as data (API.md "Your own tools", "MCP gateway")."""
 
 from __future__ import annotations
 
@@ -8,46 +9,84 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from executor import services
-from executor.tools import http as http_tools
+from executor.tools.files import ToolFileError, read_tool_file
 
 
 class Command(BaseCommand):
     help = (
-        "Creates or updates the HTTP tools of a TOML file ([[tool]] tables, API.md 'Your own "
-        "tools'), all or nothing. --check validates and says what would change, writing "
-        "nothing; --prune also removes the HTTP tools the file does not name."
+        "Creates or updates the HTTP tools ([[tool]] tables) and MCP upstreams ([[upstream]] "
+        "tables) of a TOML file (API.md), all or nothing, and asks each upstream for its "
+        "tools. --check validates and says what would change, writing nothing; --prune also "
+        "removes the HTTP tools and upstreams the file does not name."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("file", help="the TOML file")
         parser.add_argument("--check", action="store_true", help="validate only; write nothing")
         parser.add_argument(
-            "--prune", action="store_true", help="remove HTTP tools the file does not name"
+            "--prune",
+            action="store_true",
+            help="remove HTTP tools and upstreams the file does not name",
+        )
+        parser.add_argument(
+            "--no-connect",
+            action="store_true",
+            help="do not ask the upstreams for their tools now (the workers will)",
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
         path = Path(options["file"])
         try:
-            tables = http_tools.read_tool_file(path)
-        except http_tools.ToolFileError as error:
+            file = read_tool_file(path)
+        except ToolFileError as error:
             raise CommandError(str(error)) from None
         try:
-            report = services.http_tools_load(
-                tables=tables, prune=options["prune"], check=options["check"]
+            report = services.tools_load(
+                tables=file.tools,
+                upstreams=file.upstreams,
+                prune=options["prune"],
+                check=options["check"],
+                connect=not options["no_connect"],
             )
         except services.Invalid as error:
             for problem in (error.details or {}).get("problems", []):
                 self.stderr.write(self.style.ERROR(problem))
             raise CommandError(f"{path}: {error.message}") from None
         verb = "would be" if options["check"] else "were"
-        for label, names in (
-            ("created", report.created),
-            ("updated (a new policy version: earlier approvals no longer hold)", report.updated),
-            ("unchanged", report.unchanged),
-            ("removed", report.removed),
+        new_version = " (a new policy version: earlier approvals no longer hold)"
+        for noun, done, names in (
+            ("tool", "created", report.created),
+            ("tool", "updated" + new_version, report.updated),
+            ("tool", "unchanged", report.unchanged),
+            ("tool", "removed", report.removed),
+            ("upstream", "created", report.upstreams_created),
+            ("upstream", "updated" + new_version, report.upstreams_updated),
+            ("upstream", "unchanged", report.upstreams_unchanged),
+            ("upstream", "removed", report.upstreams_removed),
         ):
             if names:
-                self.stdout.write(f"{len(names)} {verb} {label}: {', '.join(names)}")
+                count = f"{len(names)} {noun}{'s' if len(names) != 1 else ''}"
+                self.stdout.write(f"{count} {verb} {done}: {', '.join(names)}")
+        for listed in report.listed:
+            if listed.error:
+                self.stdout.write(
+                    self.style.WARNING(
+                        f"upstream {listed.upstream}: not listed from here ({listed.error}); "
+                        "the workers list its tools when they reach it"
+                    )
+                )
+                continue
+            self.stdout.write(
+                f"upstream {listed.upstream}: {len(listed.tools)} tool(s): "
+                f"{', '.join(listed.tools) or 'none'}"
+            )
+            for entry in listed.unknown_entries:
+                self.stdout.write(
+                    self.style.WARNING(
+                        f"upstream {listed.upstream}: [upstream.tools.{entry}] names a tool "
+                        "it does not list"
+                    )
+                )
         if options["check"]:
             self.stdout.write(self.style.SUCCESS(f"{path}: valid; nothing was written"))
         else:

@@ -1,0 +1,507 @@
+"""This process's sessions with its MCP upstreams, kept warm on one event loop thread
+(API.md "MCP gateway"), through the official SDK's client.
+
+A worker's threads call `gateway().call(...)` and `.list_tools(...)` synchronously; each
+runs on the process's event loop, where one session per upstream stays open between calls
+(a stdio upstream is one child process per worker process, not one per call). A session
+whose upstream died, or whose answer timed out and which then did not answer a ping, is
+dropped and started again on the next call. Nothing here touches the database.
+
+Whether a call may have had its effect is what the caller must know, so every failure is
+one of two kinds: `Unreachable` (nothing was sent: the upstream could not be started,
+reached or initialized, or was known dead before the request went out) or `AnswerLost`
+(the request was handed to the upstream and no answer came: it died, dropped the
+connection, or did not answer within the timeout). An error the upstream answered is the
+SDK's `MCPError` with the upstream's code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import threading
+from collections.abc import AsyncIterator, Coroutine
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx2
+import mcp_types as types
+from django.conf import settings
+from mcp import Client, StdioServerParameters
+from mcp.client.stdio import stdio_client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
+
+logger = logging.getLogger(__name__)
+
+CLIENT_INFO = types.Implementation(name="stepward-gateway", version="1")
+# How long a session that did not answer in time gets to answer a probe before it is taken
+# for hung and dropped (its child process ended).
+PROBE_SECONDS = 5.0
+STDERR_TAIL_LINES = 20
+# Spare time on top of a call's own timeout before the calling thread stops waiting for
+# the event loop (which enforces the timeout itself).
+MARGIN_SECONDS = 10.0
+
+
+class Unreachable(Exception):
+    """Nothing was sent: the upstream could not be started, reached or initialized."""
+
+    def __init__(self, message: str, evidence: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.evidence = evidence or {}
+
+
+class AnswerLost(Exception):
+    """The request was handed to the upstream and no answer came back."""
+
+    def __init__(self, message: str, evidence: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.evidence = evidence or {}
+
+
+@dataclass(frozen=True)
+class Target:
+    """How to reach one upstream, with every `${NAME}` already read from this process's
+    environment (`secrets` holds the values read: scrubbed from all that is shown)."""
+
+    name: str
+    command: tuple[str, ...] = ()
+    cwd: str = ""
+    env: tuple[tuple[str, str], ...] = ()
+    url: str = ""
+    headers: tuple[tuple[str, str], ...] = ()
+    secrets: frozenset[str] = frozenset()
+
+    @property
+    def fingerprint(self) -> str:
+        """Changes whenever anything about how it is reached does (a secret rotated too)."""
+        parts = [self.command, self.cwd, self.env, self.url, self.headers]
+        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+    def describe(self) -> str:
+        return self.url or " ".join(self.command)
+
+
+def resolve_command(program: str) -> str:
+    """A bare program name is looked up beside this Python first (the project's virtualenv,
+    where `mcp-server-git` installs), then on PATH; a path is taken as it is."""
+    if os.sep in program:
+        return program
+    here = str(Path(sys.executable).parent)
+    return shutil.which(program, path=os.pathsep.join([here, os.environ.get("PATH", "")])) or (
+        program
+    )
+
+
+@dataclass
+class Listing:
+    """What an upstream said of itself and its tools."""
+
+    tools: list[types.Tool]
+    server: dict[str, Any]
+
+
+@dataclass
+class _Session:
+    """One open session, owned by a task of its own (the SDK's transports are anyio context
+    managers that must be left in the task that entered them)."""
+
+    target: Target
+    log_path: Path
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    client: Client | None = None
+    failure: BaseException | None = None
+    # Set once the upstream's side of the connection ended (its output closed) or the
+    # session was given up: nothing sent now can reach it.
+    broken: bool = False
+    tools_changed: bool = False
+    task: asyncio.Task[None] | None = None
+    # What the upstream said of itself when it was initialized (kept: the client cannot be
+    # asked once its session has ended).
+    server: dict[str, Any] = field(default_factory=dict)
+
+    async def run(self) -> None:
+        try:
+            async with AsyncExitStack() as stack:
+                transport = await stack.enter_async_context(self._transport())
+                self.client = await stack.enter_async_context(
+                    Client(
+                        _Watched(transport, self),
+                        cache=None,
+                        client_info=CLIENT_INFO,
+                        message_handler=self._on_message,
+                    )
+                )
+                self.server = _described(self.target.name, self.client)
+                self.ready.set()
+                await self.stop.wait()
+        except BaseException as error:  # noqa: BLE001 - whatever ends it is recorded
+            self.failure = error
+        finally:
+            self.broken = True
+            self.ready.set()
+
+    @asynccontextmanager
+    async def _transport(self) -> AsyncIterator[Any]:
+        target = self.target
+        if target.url:
+            headers = dict(target.headers)
+            async with (
+                httpx2.AsyncClient(headers=headers, timeout=60, follow_redirects=False) as http,
+                streamable_http_client(target.url, http_client=http) as streams,
+            ):
+                yield streams
+            return
+        program, *args = target.command
+        parameters = StdioServerParameters(
+            command=resolve_command(program),
+            args=args,
+            env=dict(target.env),
+            cwd=target.cwd or None,
+        )
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("a", encoding="utf-8", errors="replace") as errlog:
+            async with stdio_client(parameters, errlog=errlog) as streams:
+                yield streams
+
+    async def _on_message(self, message: Any) -> None:
+        if isinstance(message, Exception):
+            self.broken = True
+            self.stop.set()
+        elif isinstance(message, types.ToolListChangedNotification):
+            self.tools_changed = True
+        await anyio.lowlevel.checkpoint()
+
+    def stderr_tail(self) -> list[str]:
+        """The last lines the upstream wrote to its stderr (stdio only), secrets scrubbed."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()[-STDERR_TAIL_LINES:]
+        except OSError:
+            return []
+        for secret in self.target.secrets:
+            lines = [line.replace(secret, "[redacted]") for line in lines]
+        return lines
+
+
+class _Watched:
+    """The transport's streams, with the read side watched: when the upstream's output ends
+    (a stdio child that exited, a dropped HTTP session) the session is marked broken at
+    once, so the next call starts a new one instead of sending into a dead one."""
+
+    def __init__(self, streams: Any, session: _Session) -> None:
+        self._streams = streams
+        self._session = session
+        self._tasks = anyio.create_task_group()
+
+    async def __aenter__(self) -> tuple[Any, Any]:
+        read, write = self._streams
+        send, receive = anyio.create_memory_object_stream[Any](16)
+        await self._tasks.__aenter__()
+
+        async def forward() -> None:
+            async with send:
+                async for item in read:
+                    await send.send(item)
+            self._session.broken = True
+            self._session.stop.set()
+
+        self._tasks.start_soon(forward)
+        return receive, write
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        self._tasks.cancel_scope.cancel()
+        return await self._tasks.__aexit__(*exc)
+
+
+class Gateway:
+    """The sessions of this process, on an event loop thread of its own (made again in a
+    forked child, which inherits the object but not the thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sessions: dict[str, _Session] = {}
+        self._opening: dict[str, asyncio.Lock] = {}
+
+    # --- what callers use -------------------------------------------------------------------
+
+    def call(
+        self,
+        target: Target,
+        tool: str,
+        arguments: dict[str, Any],
+        *,
+        timeout: float,
+        meta: dict[str, Any] | None = None,
+    ) -> tuple[types.CallToolResult, dict[str, Any]]:
+        """Calls `tool`; returns its result and what is known of the upstream (its server
+        info). Raises Unreachable, AnswerLost, or MCPError (an error the upstream answered)."""
+        return self._run(self._call(target, tool, arguments, timeout, meta), timeout)
+
+    def list_tools(self, target: Target, *, timeout: float) -> Listing:
+        """Every tool the upstream lists (all pages). Raises Unreachable or AnswerLost."""
+        return self._run(self._list(target, timeout), timeout)
+
+    def tools_changed(self, name: str) -> bool:
+        """Whether the upstream said its tools changed since it was last listed here."""
+        session = self._sessions.get(name)
+        return bool(session and session.tools_changed and not session.broken)
+
+    def close(self) -> None:
+        """Ends every session (stdio children exit) and the loop."""
+        with self._lock:
+            loop, self._loop = self._loop, None
+            if loop is None or self._pid != os.getpid():
+                return
+
+        async def close_all() -> None:
+            for session in list(self._sessions.values()):
+                await self._drop(session)
+            self._sessions.clear()
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(close_all(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+
+    # --- the event loop -----------------------------------------------------------------------
+
+    def _run[T](self, work: Coroutine[Any, Any, T], timeout: float) -> T:
+        future = asyncio.run_coroutine_threadsafe(work, self._event_loop())
+        try:
+            return future.result(
+                timeout + settings.EXECUTOR_UPSTREAM_START_SECONDS + MARGIN_SECONDS
+            )
+        except TimeoutError:
+            future.cancel()
+            raise AnswerLost(
+                f"no answer within {timeout:g}s (the gateway's loop is busy)"
+            ) from None
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None or self._pid != os.getpid():
+                # A forked child: the parent's loop thread does not exist here.
+                self._pid = os.getpid()
+                self._sessions = {}
+                self._opening = {}
+                loop = asyncio.new_event_loop()
+                threading.Thread(
+                    target=loop.run_forever, name="stepward-gateway", daemon=True
+                ).start()
+                self._loop = loop
+            return self._loop
+
+    # --- sessions -------------------------------------------------------------------------------
+
+    async def _session(self, target: Target) -> _Session:
+        """The open session with `target`, started now if there is none (or it broke)."""
+        lock = self._opening.setdefault(target.name, asyncio.Lock())
+        async with lock:
+            session = self._sessions.get(target.name)
+            if session is not None and not session.broken and session.target == target:
+                return session
+            if session is not None:
+                await self._drop(session)
+            session = _Session(target=target, log_path=_log_path(target))
+            session.task = asyncio.create_task(session.run(), name=f"upstream {target.name}")
+            seconds = settings.EXECUTOR_UPSTREAM_START_SECONDS
+            try:
+                async with asyncio.timeout(seconds):
+                    await session.ready.wait()
+            except TimeoutError:
+                await self._drop(session)
+                raise Unreachable(
+                    f"upstream {target.name} did not start and answer within {seconds:g}s",
+                    _evidence(session),
+                ) from None
+            if session.broken or session.client is None:
+                await self._drop(session)
+                raise Unreachable(
+                    f"upstream {target.name} could not be started or reached: "
+                    f"{_failure_text(session.failure)}",
+                    _evidence(session),
+                )
+            self._sessions[target.name] = session
+            logger.info(
+                "gateway: connected to upstream %s (%s)",
+                target.name,
+                _server_info(session).get("name", "?"),
+            )
+            return session
+
+    async def _drop(self, session: _Session) -> None:
+        session.broken = True
+        session.stop.set()
+        if session.task is not None and session.client is None:
+            # Still starting (a hung initialization): nothing waits on `stop` yet.
+            session.task.cancel()
+        if session.task is not None and not session.task.done():
+            # The SDK's shutdown is bounded (stdin closed, then terminate, then kill).
+            try:
+                async with asyncio.timeout(15):
+                    await asyncio.shield(session.task)
+            except TimeoutError:
+                session.task.cancel()
+        if self._sessions.get(session.target.name) is session:
+            del self._sessions[session.target.name]
+
+    async def _call(
+        self,
+        target: Target,
+        tool: str,
+        arguments: dict[str, Any],
+        timeout: float,
+        meta: dict[str, Any] | None,
+    ) -> tuple[types.CallToolResult, dict[str, Any]]:
+        session = await self._session(target)
+        client = session.client
+        assert client is not None
+        if session.broken:
+            # Died between being handed out and now: nothing has been sent yet.
+            await self._drop(session)
+            raise Unreachable(f"upstream {target.name} ended before the call was sent")
+        try:
+            result = await client.call_tool(
+                tool,
+                arguments,
+                read_timeout_seconds=timeout,
+                meta=meta,  # type: ignore[arg-type]
+            )
+        except MCPError as error:
+            if error.error.code == types.REQUEST_TIMEOUT:
+                await self._check_alive(session)
+                raise AnswerLost(
+                    f"upstream {target.name} did not answer {tool} within {timeout:g}s",
+                    _evidence(session),
+                ) from None
+            if error.error.code == types.CONNECTION_CLOSED and (
+                session.broken or error.error.message == "Connection closed"
+            ):
+                await self._drop(session)
+                raise AnswerLost(
+                    f"upstream {target.name} ended or dropped the connection while {tool} "
+                    "was on its way; no answer came",
+                    _evidence(session),
+                ) from None
+            raise
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as error:
+            await self._drop(session)
+            raise AnswerLost(
+                f"upstream {target.name}: the connection failed while {tool} was on its way "
+                f"({type(error).__name__})",
+                _evidence(session),
+            ) from None
+        except RuntimeError as error:
+            # An answer that did not fit its declared output schema: it came, so the call
+            # happened, but what it said is not known.
+            raise AnswerLost(
+                f"upstream {target.name} answered {tool} with an invalid result: {error}",
+                _evidence(session),
+            ) from None
+        if not isinstance(result, types.CallToolResult):
+            raise AnswerLost(
+                f"upstream {target.name} answered {tool} with a result of another kind"
+            )
+        return result, _server_info(session)
+
+    async def _check_alive(self, session: _Session) -> None:
+        """After a timed-out call: a session that does not answer a short request is hung,
+        and goes (its child process ended). The probe is a listing: `ping` is gone from the
+        2026-07-28 protocol."""
+        client = session.client
+        try:
+            assert client is not None
+            async with asyncio.timeout(PROBE_SECONDS):
+                await client.list_tools(cache_mode="refresh")
+        except Exception:  # noqa: BLE001 - any failure means it is not answering
+            logger.warning(
+                "gateway: upstream %s did not answer a probe: restarting it", session.target.name
+            )
+            await self._drop(session)
+
+    async def _list(self, target: Target, timeout: float) -> Listing:
+        session = await self._session(target)
+        client = session.client
+        assert client is not None
+        tools: list[types.Tool] = []
+        cursor: str | None = None
+        session.tools_changed = False
+        try:
+            async with asyncio.timeout(timeout):
+                for _ in range(100):
+                    page = await client.list_tools(cursor=cursor)
+                    tools.extend(page.tools)
+                    cursor = page.next_cursor
+                    if not cursor:
+                        break
+        except TimeoutError:
+            await self._check_alive(session)
+            raise AnswerLost(
+                f"upstream {target.name} did not list its tools within {timeout:g}s"
+            ) from None
+        except MCPError as error:
+            if session.broken:
+                await self._drop(session)
+            raise AnswerLost(
+                f"upstream {target.name} could not list its tools: {error.error.message}"
+            ) from None
+        return Listing(tools=tools, server=_server_info(session))
+
+
+def _log_path(target: Target) -> Path:
+    return Path(settings.VAR_DIR) / "upstreams" / f"{target.name}.{os.getpid()}.log"
+
+
+def _server_info(session: _Session) -> dict[str, Any]:
+    return dict(session.server) or {"upstream": session.target.name}
+
+
+def _described(name: str, client: Client) -> dict[str, Any]:
+    found: dict[str, Any] = {"upstream": name}
+    info = client.server_info
+    if info is not None:
+        found.update(name=info.name, version=info.version)
+    found["protocol"] = client.protocol_version
+    return found
+
+
+def _evidence(session: _Session) -> dict[str, Any]:
+    """What a reviewer can learn of a failed call from the upstream's side."""
+    evidence: dict[str, Any] = {**_server_info(session), "reached": session.target.describe()}
+    for secret in session.target.secrets:
+        evidence["reached"] = evidence["reached"].replace(secret, "[redacted]")
+    tail = session.stderr_tail() if not session.target.url else []
+    if tail:
+        evidence["stderr_tail"] = tail
+    if session.failure is not None:
+        evidence["failure"] = _failure_text(session.failure)
+    return evidence
+
+
+def _failure_text(error: BaseException | None) -> str:
+    """The innermost errors of what ended a session, as one line each (the SDK's task
+    groups wrap them in exception groups)."""
+    if error is None:
+        return "it closed"
+    if isinstance(error, BaseExceptionGroup):
+        return "; ".join(_failure_text(inner) for inner in error.exceptions)
+    return f"{type(error).__name__}: {error}"[:500]
+
+
+_gateway = Gateway()
+
+
+def gateway() -> Gateway:
+    return _gateway

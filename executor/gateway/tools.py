@@ -1,0 +1,357 @@
+"""Each tool an upstream lists, as a Stepward tool `<upstream>.<tool>` (API.md "MCP
+gateway"): registered in every process from the McpUpstream rows (refreshed like HTTP tools,
+within EXECUTOR_TOOL_REFRESH_SECONDS of a change), called by the worker through this
+process's session with the upstream, and what comes back classified (DESIGN.md §8).
+
+The engine does the rest exactly as for any tool: the pending record and the `submitting`
+mark come first, a lost answer of a write that is not idempotent is `unknown`, approvals,
+budgets, fencing, redaction and the drill's fault points apply.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import mcp_types as types
+from django.conf import settings
+from django.db import DatabaseError
+from django.db.models import Count, Max
+from mcp.shared.exceptions import MCPError
+
+from executor.gateway import config
+from executor.gateway.connections import AnswerLost, Target, Unreachable, gateway
+from executor.models import McpUpstream
+from executor.redaction import scrub, scrub_strings
+from executor.tools import http as http_tools
+from executor.tools import outbound
+from executor.tools.base import (
+    FailureClass,
+    Idempotency,
+    Invocation,
+    RegistrationError,
+    Tool,
+    ToolError,
+    ToolResult,
+    add_source,
+    check_declarations,
+    register,
+    registered,
+    unregister,
+)
+
+logger = logging.getLogger(__name__)
+
+# What a result keeps of an upstream's text (a file read whole, a long log): the rest is cut.
+MAX_TEXT_CHARS = 256 * 1024
+MESSAGE_CHARS = 1000
+
+# An error result's text, read for what it says (first match wins). Anything else an
+# upstream calls an error is not retried unless a repeat is safe.
+ERROR_WORDS: tuple[tuple[FailureClass, re.Pattern[str]], ...] = (
+    (
+        FailureClass.RATE_LIMITED,
+        re.compile(r"rate.?limit|too many requests|\b429\b", re.IGNORECASE),
+    ),
+    (
+        FailureClass.PERMISSION_DENIED,
+        re.compile(
+            r"access denied|permission denied|not permitted|forbidden|unauthori[sz]ed|"
+            r"outside (the )?allowed|\bEACCES\b|\bEPERM\b|\b40[13]\b",
+            re.IGNORECASE,
+        ),
+    ),
+    (
+        FailureClass.INVALID_INPUT,
+        re.compile(
+            r"validation error|invalid (argument|input|param)|input validation|"
+            r"field required|is required|missing required|-32602|unknown tool",
+            re.IGNORECASE,
+        ),
+    ),
+)
+PROTOCOL_INVALID = frozenset(
+    {types.INVALID_PARAMS, types.METHOD_NOT_FOUND, types.INVALID_REQUEST, types.PARSE_ERROR}
+)
+
+
+class MissingVariable(Exception):
+    pass
+
+
+def target_for(upstream: str, fields: Mapping[str, Any]) -> Target:
+    """How this process reaches the upstream, `${NAME}` read from its environment now."""
+    secrets: set[str] = set()
+
+    def rendered(text: str) -> str:
+        try:
+            return http_tools.render_env(text, secrets=secrets)
+        except KeyError as missing:
+            raise MissingVariable(
+                f"${{{missing.args[0]}}} is not set in this worker's environment"
+            ) from None
+
+    return Target(
+        name=upstream,
+        command=tuple(rendered(part) for part in fields["command"]),
+        cwd=rendered(fields["cwd"]),
+        env=tuple(sorted((k, rendered(v)) for k, v in fields["env"].items())),
+        url=rendered(fields["url"]),
+        headers=tuple(sorted((k, rendered(v)) for k, v in fields["headers"].items())),
+        secrets=frozenset(secrets),
+    )
+
+
+def row_target(row: McpUpstream) -> Target:
+    return target_for(row.name, _reach(row))
+
+
+def reach_refusal(target: Target) -> str:
+    """Why this process may not reach an upstream by its URL now (its host no longer in
+    EXECUTOR_HTTP_ALLOWED_HOSTS), or "" when it may: checked before every connection."""
+    if not target.url:
+        return ""
+    refused = outbound.refusal(target.url)
+    return f"upstream {target.name}: {scrub(refused, target.secrets)}" if refused else ""
+
+
+def _reach(row: McpUpstream) -> dict[str, Any]:
+    return {
+        "command": list(row.command),
+        "cwd": row.cwd,
+        "env": dict(row.env),
+        "url": row.url,
+        "headers": dict(row.headers),
+    }
+
+
+# --- the tool --------------------------------------------------------------------------------
+
+
+class UpstreamTool(Tool):
+    """A tool an upstream lists; `tool_class` sets the declarations."""
+
+    upstream: ClassVar[str]
+    remote_name: ClassVar[str]
+    reach: ClassVar[dict[str, Any]]
+    declared: ClassVar[config.Declared]
+    upstream_policy: ClassVar[dict[str, Any]]
+
+    @classmethod
+    def declared_extra(cls) -> dict[str, Any]:
+        return {"upstream": cls.upstream, "remote": cls.remote_name, **cls.upstream_policy}
+
+    @classmethod
+    def safe_to_repeat(cls) -> bool:
+        return cls.effect in ("pure", "read") or cls.idempotency == Idempotency.KEY
+
+    def invoke(self, call: Invocation) -> ToolResult:
+        try:
+            target = target_for(self.upstream, self.reach)
+        except MissingVariable as missing:
+            raise ToolError(FailureClass.UNAVAILABLE, str(missing)) from None
+        refused = reach_refusal(target)
+        if refused:
+            raise ToolError(FailureClass.POLICY_DENIED, refused)
+        meta = {
+            "stepward/operation_id": call.operation_id,
+            "stepward/step_id": call.step_id,
+            "stepward/fence": call.fence,
+        }
+        try:
+            result, server = gateway().call(
+                target,
+                self.remote_name,
+                call.input,
+                timeout=self.declared.timeout_seconds,
+                meta=meta,
+            )
+        except Unreachable as error:
+            raise ToolError(
+                FailureClass.UNAVAILABLE,
+                scrub(f"nothing was sent: {error}", target.secrets),
+                evidence=scrub_strings(error.evidence, target.secrets),
+            ) from None
+        except AnswerLost as error:
+            # Sent, and no reliable answer: it may have taken effect. The engine repeats it
+            # only where that is safe, and otherwise hands it to a person (§7).
+            raise ToolError(
+                FailureClass.AMBIGUOUS,
+                scrub(str(error), target.secrets),
+                evidence=scrub_strings(error.evidence, target.secrets),
+            ) from None
+        except MCPError as error:
+            raise self._protocol_error(error, target) from None
+        body = scrub_strings(result_body(result), target.secrets)
+        evidence = {**server, "tool": self.remote_name, "is_error": bool(result.is_error)}
+        if result.is_error:
+            text = str(body.get("text", ""))
+            failure = classify_error_text(text, safe=self.safe_to_repeat())
+            raise ToolError(
+                failure,
+                f"upstream {self.upstream} answered {self.remote_name} with an error: "
+                f"{text[:MESSAGE_CHARS]}",
+                evidence={**evidence, "answer": _cut(text, 4000)},
+            )
+        external = ""
+        structured = body.get("structured")
+        if self.declared.external_id and isinstance(structured, dict):
+            external = str(structured.get(self.declared.external_id, "") or "")
+        return ToolResult(result=body, external_id=external[:200], evidence=evidence)
+
+    def _protocol_error(self, error: MCPError, target: Target) -> ToolError:
+        """An error the upstream answered at the protocol level (JSON-RPC)."""
+        code, message = error.error.code, scrub(error.error.message, target.secrets)
+        evidence = {"upstream": self.upstream, "tool": self.remote_name, "code": code}
+        text = f"upstream {self.upstream} refused {self.remote_name} ({code}): {message}"
+        if code in PROTOCOL_INVALID:
+            return ToolError(FailureClass.INVALID_INPUT, text, evidence=evidence)
+        # Anything else (an internal error…) may have come after part of the work.
+        return ToolError(FailureClass.AMBIGUOUS, text, evidence=evidence)
+
+    def compensation_input_for(
+        self, input: dict[str, Any], external_id: str, result: Any
+    ) -> dict[str, Any]:
+        # An upstream tool's undo is called with the arguments of the call it undoes (a
+        # branch created is deleted by its name).
+        return dict(input)
+
+
+def classify_error_text(text: str, *, safe: bool) -> FailureClass:
+    """The failure class of an error an upstream answered (`isError`), by what it says."""
+    for failure, words in ERROR_WORDS:
+        if words.search(text):
+            return failure
+    # It answered, so it did not simply fail to arrive; whether anything happened first is
+    # the upstream's business: retried only where a repeat is safe.
+    return FailureClass.TRANSIENT if safe else FailureClass.CONFLICT
+
+
+def result_body(result: types.CallToolResult) -> dict[str, Any]:
+    """What a step keeps of a tool result: its text, its structured content, and what other
+    content it held (named, not copied: images and blobs stay with the upstream)."""
+    texts: list[str] = []
+    other: list[dict[str, Any]] = []
+    for block in result.content:
+        if isinstance(block, types.TextContent):
+            texts.append(block.text)
+        else:
+            described: dict[str, Any] = {"type": block.type}
+            for name in ("mime_type", "uri", "name"):
+                value = getattr(block, name, None)
+                if value is None and hasattr(block, "resource"):
+                    value = getattr(block.resource, name, None)
+                if value is not None:
+                    described[name] = str(value)
+            other.append(described)
+    body: dict[str, Any] = {}
+    if texts:
+        body["text"] = _cut("\n".join(texts), MAX_TEXT_CHARS)
+    if result.structured_content is not None:
+        body["structured"] = result.structured_content
+    if other:
+        body["other_content"] = other
+    return body
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + f"… [{len(text) - limit} more characters]"
+
+
+def tool_class(row: McpUpstream, listed: Mapping[str, Any]) -> type[UpstreamTool]:
+    """The Tool subclass of one listed tool, checked like any tool."""
+    name = f"{row.name}.{listed['name']}"
+    if len(name) > config.MAX_TOOL_NAME:
+        raise RegistrationError(f"{name[:60]}…: names longer than {config.MAX_TOOL_NAME}")
+    problem = config.schema_problem(listed.get("input_schema"))
+    if problem:
+        raise RegistrationError(f"{name}: {problem}")
+    declared = config.declarations(row, listed)
+    schema = {"type": "object", **dict(listed.get("input_schema") or {})}
+    attributes = {
+        "__module__": __name__,
+        "upstream": row.name,
+        "remote_name": listed["name"],
+        "reach": _reach(row),
+        "declared": declared,
+        "upstream_policy": {
+            **config.declared_fields(row),
+            "annotations": listed.get("annotations") or {},
+        },
+        "name": name,
+        "description": declared.description,
+        "effect": declared.effect,
+        "idempotency": Idempotency.KEY if declared.idempotent else Idempotency.NONE,
+        "requires_approval": declared.approval,
+        "compensation": declared.compensation,
+        "retry": declared.retry,
+        "input_schema": schema,
+        "redact": declared.redact,
+    }
+    cls = type(f"UpstreamTool_{re.sub(r'\W', '_', name)}", (UpstreamTool,), attributes)
+    check_declarations(cls)
+    return cls
+
+
+# --- registration ------------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_generation: tuple[int, Any] | None = None
+_checked_at = 0.0
+_mine: set[str] = set()
+
+
+def refresh(*, force: bool = False) -> None:
+    """Registers the upstreams' tools as the database lists them now, when that changed
+    (asked at most every EXECUTOR_TOOL_REFRESH_SECONDS unless forced)."""
+    global _generation, _checked_at
+    now = time.monotonic()
+    if not force and now - _checked_at < settings.EXECUTOR_TOOL_REFRESH_SECONDS:
+        return
+    with _lock:
+        _checked_at = now
+        try:
+            row = McpUpstream.objects.aggregate(n=Count("pk"), latest=Max("updated_at"))
+            generation = (row["n"], row["latest"])
+            if generation == _generation and not force:
+                return
+            rows = list(McpUpstream.objects.all())
+        except (DatabaseError, RuntimeError):
+            return  # not migrated yet, or no database here: keep what is registered
+        _install(rows)
+        _generation = generation
+
+
+def _install(rows: list[McpUpstream]) -> None:
+    wanted: dict[str, type[UpstreamTool]] = {}
+    for row in rows:
+        for listed in row.listed_tools:
+            try:
+                cls = tool_class(row, listed)
+            except (RegistrationError, KeyError, TypeError, ValueError) as error:
+                logger.warning("gateway: upstream %s: tool not registered: %s", row.name, error)
+                continue
+            existing = registered(cls.name)
+            if existing is not None and not isinstance(existing, UpstreamTool):
+                # A tool of code or an HTTP tool has the name: it wins.
+                logger.warning("gateway: %s is another tool's name; not registered", cls.name)
+                continue
+            wanted[cls.name] = cls
+    for name in _mine - set(wanted):
+        unregister(name)
+    _mine.intersection_update(wanted)
+    for name, cls in wanted.items():
+        unregister(name)
+        register(cls)
+        _mine.add(name)
+
+
+def upstream_tool_names() -> set[str]:
+    return set(_mine)
+
+
+add_source(refresh)

@@ -1,0 +1,48 @@
+"""A tools file, as `manage.py load_tools FILE.toml` reads it: `[[tool]]` tables (HTTP tools,
+API.md "Your own tools") and `[[upstream]]` tables (MCP servers behind Stepward, "MCP
+gateway"), unchecked: `tools.http.spec_errors` and `gateway.config.upstream_errors` check
+each table.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+KINDS = {"tool": "tools", "upstream": "upstreams"}
+
+
+class ToolFileError(ValueError):
+    """A tools file that cannot be read; the message names the file."""
+
+
+@dataclass(frozen=True)
+class ToolFile:
+    path: Path
+    tools: list[dict[str, Any]]
+    upstreams: list[dict[str, Any]]
+
+
+def read_tool_file(path: Path) -> ToolFile:
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as error:
+        raise ToolFileError(f"{path}: {error.strerror or error}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise ToolFileError(f"{path}: not TOML: {error}") from None
+    unknown = sorted(set(data) - set(KINDS))
+    if unknown:
+        raise ToolFileError(
+            f"{path}: unknown table(s) {', '.join(unknown)}; expected [[tool]] or [[upstream]]"
+        )
+    found: dict[str, list[dict[str, Any]]] = {}
+    for kind in KINDS:
+        tables = data.get(kind, [])
+        if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+            raise ToolFileError(f"{path}: every {kind} must be a [[{kind}]] table")
+        found[kind] = tables
+    if not any(found.values()):
+        raise ToolFileError(f"{path}: no [[tool]] or [[upstream]] tables")
+    return ToolFile(path=path, tools=found["tool"], upstreams=found["upstream"])

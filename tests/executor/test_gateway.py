@@ -1,0 +1,370 @@
+"""The MCP gateway against real upstreams nobody here wrote (API.md "MCP gateway"):
+`mcp-server-git` on a repository of the test's own, started by the engine in this process,
+each step driven through the real engine (claim, submitting, the call, its outcome).
+
+The upstream runs as a real child process; a test kills it mid-call with SIGKILL, makes it
+exit at start or hang, and counts the commits in the repository: never a second one.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from executor import engine, services
+from executor.gateway.connections import gateway
+from executor.models import Agent, McpUpstream, Run, Step
+from executor.states import State
+from executor.tools.base import find_tool
+from tests.support.api import ApiClient
+from tests.support.tooling import make_due, post, reload, run_every_automatic_path
+from tests.support.upstreams import (
+    EverythingServer,
+    GitRepo,
+    Upstream,
+    git_repo,
+    git_upstream_table,
+    node_server,
+    upstream,
+)
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def up(tmp_path: Path) -> Upstream:
+    return upstream(tmp_path)
+
+
+@pytest.fixture
+def repo(tmp_path: Path, up: Upstream) -> GitRepo:
+    return git_repo(tmp_path, up.state)
+
+
+@pytest.fixture
+def fresh_sessions(settings: Any) -> Iterator[None]:
+    """Each test starts its upstreams anew and ends them (they are per process)."""
+    settings.EXECUTOR_UPSTREAM_START_SECONDS = 15
+    gateway().close()
+    yield
+    gateway().close()
+
+
+def load(agent: Agent, *tables: dict[str, Any]) -> services.ToolsLoaded:
+    report = services.tools_load(tables=[], upstreams=list(tables))
+    services.agent_set_tools(agent=agent, tools=None)
+    return report
+
+
+@pytest.fixture
+def git(agent: Agent, up: Upstream, repo: GitRepo, fresh_sessions: None) -> services.ToolsLoaded:
+    report = load(agent, git_upstream_table(up, repo))
+    assert [listed.error for listed in report.listed] == [""]
+    return report
+
+
+def commit(agent: Agent, run: Run, repo: GitRepo, message: str) -> Step:
+    return post(
+        agent, run, "git.git_commit", input={"repo_path": str(repo.path), "message": message}
+    )
+
+
+def test_the_upstreams_tools_are_stepward_tools_with_their_schemas(
+    git: services.ToolsLoaded, api: ApiClient
+) -> None:
+    assert "git.git_status" in git.listed[0].tools
+    listed = {tool["name"]: tool for tool in api.get("/api/v1/tools").json()}
+    status, commit_tool, reset = (
+        listed["git.git_status"],
+        listed["git.git_commit"],
+        listed["git.git_reset"],
+    )
+    assert "repo_path" in status["input_schema"]["properties"]
+    assert set(commit_tool["input_schema"]["required"]) == {"repo_path", "message"}
+    # The annotations are trusted here: read-only is a read, destructive needs a person.
+    assert (status["effect"], status["usable"]) == ("read", True)
+    assert (commit_tool["effect"], commit_tool["requires_approval"]) == ("write", False)
+    assert (reset["effect"], reset["requires_approval"]) == ("destructive", True)
+    assert McpUpstream.objects.get(name="git").server_info["name"] == "mcp-git"
+
+
+def test_a_read_is_answered(
+    git: services.ToolsLoaded, agent: Agent, run: Run, repo: GitRepo
+) -> None:
+    step = post(agent, run, "git.git_status", input={"repo_path": str(repo.path)})
+
+    assert engine.process(step.pk) == State.COMPLETED
+    done = reload(step)
+    assert "On branch" in done.result["text"]
+    assert done.attempts.get().response_evidence["name"] == "mcp-git"
+
+
+def test_a_write_happens_once(
+    git: services.ToolsLoaded, agent: Agent, run: Run, repo: GitRepo
+) -> None:
+    step = commit(agent, run, repo, "the first write")
+
+    assert engine.process(step.pk) == State.COMPLETED
+    assert "committed" in reload(step).result["text"].lower()
+    assert repo.commits_with("the first write") == 1
+    run_every_automatic_path()
+    assert repo.commits_with("the first write") == 1
+
+
+def test_an_approval_gated_write_waits_then_happens_once(
+    agent: Agent, run: Run, up: Upstream, repo: GitRepo, reviewer: Any, fresh_sessions: None
+) -> None:
+    load(agent, git_upstream_table(up, repo, tools={"git_commit": {"approval": "always"}}))
+    step = commit(agent, run, repo, "approve me")
+    assert step.state == State.PLANNED
+    assert engine.process(step.pk) != State.COMPLETED
+    assert repo.commits_with("approve me") == 0
+
+    services.step_approve(
+        step=reload(step), user=reviewer, version=reload(step).version, reason="ok"
+    )
+    run_every_automatic_path()
+
+    assert reload(step).state == State.COMPLETED
+    assert repo.commits_with("approve me") == 1
+
+
+def test_an_error_the_upstream_answers_is_classified_and_not_retried(
+    git: services.ToolsLoaded, agent: Agent, run: Run, repo: GitRepo, tmp_path: Path
+) -> None:
+    outside = post(agent, run, "git.git_status", input={"repo_path": str(tmp_path)})
+    missing = post(
+        agent,
+        run,
+        "git.git_checkout",
+        input={"repo_path": str(repo.path), "branch_name": "no-such-branch"},
+    )
+
+    assert engine.process(outside.pk) == State.FAILED
+    assert engine.process(missing.pk) == State.FAILED
+    assert reload(outside).failure_class == "permission_denied"
+    assert "outside the allowed repository" in reload(outside).failure_message
+    assert reload(missing).failure_class == "conflict"
+    assert reload(missing).attempts.count() == 1
+
+
+def test_a_write_whose_upstream_is_killed_mid_call_is_unknown_and_never_sent_again(
+    git: services.ToolsLoaded, agent: Agent, run: Run, up: Upstream, repo: GitRepo
+) -> None:
+    step = commit(agent, run, repo, "killed while answering")
+    up.set("slow")  # the hook holds the call after the commit
+
+    def kill_in_the_hook() -> None:
+        up.wait_for("in-hook")
+        up.kill()
+        up.set("slow", on=False)
+
+    killer = threading.Thread(target=kill_in_the_hook)
+    killer.start()
+    ended = engine.process(step.pk)
+    killer.join()
+
+    assert ended == State.UNKNOWN
+    lost = reload(step)
+    assert lost.failure_class == "ambiguous"
+    assert "no answer came" in lost.failure_message
+    evidence = lost.attempts.get().response_evidence
+    assert evidence["upstream"] == "git"
+    assert evidence["name"] == "mcp-git"
+    # Nobody may send it again but a person: the sweeper leaves it for review.
+    run_every_automatic_path()
+    assert reload(step).state == State.UNKNOWN
+    assert repo.commits_with("killed while answering") == 1
+    # The next call starts the upstream again.
+    after = commit(agent, run, repo, "after the restart")
+    assert engine.process(after.pk) == State.COMPLETED
+    assert repo.commits_with("after the restart") == 1
+
+
+def test_a_read_whose_upstream_is_killed_mid_call_is_retried(
+    git: services.ToolsLoaded, agent: Agent, run: Run, up: Upstream, repo: GitRepo
+) -> None:
+    # A read's effect is nothing: a lost answer is simply asked again.
+    step = commit(agent, run, repo, "to be read")
+    assert engine.process(step.pk) == State.COMPLETED
+    read = post(agent, run, "git.git_log", input={"repo_path": str(repo.path)})
+    up.kill()  # between calls: dead before the read is sent, which nobody knows yet
+
+    assert engine.process(read.pk) in (State.PENDING, State.COMPLETED)
+    if reload(read).state == State.PENDING:
+        assert reload(read).attempts.get().error_class in ("unavailable", "ambiguous")
+        make_due(read)
+        assert engine.process(read.pk) == State.COMPLETED
+    assert "to be read" in reload(read).result["text"]
+
+
+@pytest.mark.parametrize("fault", ["down", "hang"])
+def test_an_upstream_that_is_down_or_hangs_is_unavailable_and_retried(
+    git: services.ToolsLoaded,
+    agent: Agent,
+    run: Run,
+    up: Upstream,
+    repo: GitRepo,
+    settings: Any,
+    fault: str,
+) -> None:
+    settings.EXECUTOR_UPSTREAM_START_SECONDS = 2
+    gateway().close()  # the next call starts it again, and finds it down or hung
+    up.set(fault)
+    step = commit(agent, run, repo, f"while {fault}")
+
+    assert engine.process(step.pk) == State.PENDING
+    attempt = reload(step).attempts.get()
+    assert attempt.error_class == "unavailable"
+    assert "nothing was sent" in attempt.error_message
+    if fault == "down":
+        assert "down for maintenance" in "\n".join(attempt.response_evidence["stderr_tail"])
+    assert repo.commits_with(f"while {fault}") == 0
+
+    up.set(fault, on=False)
+    make_due(step)
+    assert engine.process(step.pk) == State.COMPLETED
+    assert repo.commits_with(f"while {fault}") == 1
+
+
+def test_a_listing_that_changes_makes_a_new_policy_version(
+    git: services.ToolsLoaded, agent: Agent, up: Upstream, repo: GitRepo
+) -> None:
+    tool = find_tool("git.git_commit")
+    assert tool is not None
+    before = tool.policy_version()
+    load(agent, git_upstream_table(up, repo, tools={"git_commit": {"redact": ["message"]}}))
+    after = find_tool("git.git_commit")
+    assert after is not None
+    assert after.policy_version() != before
+
+
+# --- an npm server over stdio: @modelcontextprotocol/server-memory ---------------------------
+
+
+@pytest.fixture
+def memory(agent: Agent, tmp_path: Path, fresh_sessions: None) -> Path:
+    graph = tmp_path / "memory.jsonl"
+    report = load(
+        agent,
+        {
+            "name": "memory",
+            "command": [node_server("mcp-server-memory")],
+            "env": {"MEMORY_FILE_PATH": str(graph)},
+            "trust_annotations": True,
+            "defaults": {"approval": "never"},
+        },
+    )
+    assert [listed.error for listed in report.listed] == [""]
+    return graph
+
+
+def entities(graph: Path) -> list[str]:
+    if not graph.exists():
+        return []
+    return [
+        json.loads(line)["name"]
+        for line in graph.read_text().splitlines()
+        if json.loads(line).get("type") == "entity"
+    ]
+
+
+def test_an_npm_server_lists_reads_writes_once_and_its_destructive_tool_waits(
+    memory: Path, agent: Agent, run: Run, api: ApiClient, reviewer: Any
+) -> None:
+    listed = {tool["name"]: tool for tool in api.get("/api/v1/tools").json()}
+    assert listed["memory.read_graph"]["effect"] == "read"
+    assert listed["memory.create_entities"]["effect"] == "write"
+    assert "entities" in listed["memory.create_entities"]["input_schema"]["properties"]
+    assert listed["memory.delete_entities"]["requires_approval"] is True
+
+    created = post(
+        agent,
+        run,
+        "memory.create_entities",
+        input={"entities": [{"name": "ada", "entityType": "person", "observations": ["x"]}]},
+    )
+    assert engine.process(created.pk) == State.COMPLETED
+    assert reload(created).result["structured"]["entities"][0]["name"] == "ada"
+    read = post(agent, run, "memory.read_graph", input={})
+    assert engine.process(read.pk) == State.COMPLETED
+    assert "ada" in reload(read).result["text"]
+    assert entities(memory) == ["ada"]
+
+    delete = post(agent, run, "memory.delete_entities", input={"entityNames": ["ada"]})
+    assert delete.state == State.PLANNED
+    run_every_automatic_path()
+    assert entities(memory) == ["ada"]
+    services.step_approve(
+        step=reload(delete), user=reviewer, version=reload(delete).version, reason="ok"
+    )
+    run_every_automatic_path()
+    assert reload(delete).state == State.COMPLETED
+    assert entities(memory) == []
+
+
+# --- a server over streamable HTTP: @modelcontextprotocol/server-everything --------------------
+
+
+@pytest.fixture
+def everything(
+    agent: Agent, tmp_path: Path, settings: Any, fresh_sessions: None
+) -> Iterator[EverythingServer]:
+    server = EverythingServer(tmp_path).start()
+    settings.EXECUTOR_HTTP_ALLOWED_HOSTS = [server.host]
+    report = load(
+        agent,
+        {
+            "name": "everything",
+            "url": server.url,
+            "trust_annotations": True,
+            "tools": {"trigger-long-running-operation": {"timeout": 2}},
+        },
+    )
+    assert [listed.error for listed in report.listed] == [""]
+    yield server
+    server.kill()
+
+
+def test_an_http_upstream_is_listed_and_answers(
+    everything: EverythingServer, agent: Agent, run: Run
+) -> None:
+    step = post(agent, run, "everything.echo", input={"message": "over http"})
+    assert engine.process(step.pk) == State.COMPLETED
+    assert reload(step).result["text"] == "Echo: over http"
+    total = post(agent, run, "everything.get-sum", input={"a": 2, "b": 3})
+    assert engine.process(total.pk) == State.COMPLETED
+    assert "5" in reload(total).result["text"]
+
+
+def test_an_http_upstream_that_answers_too_late_or_dies_is_retried_not_wedged(
+    everything: EverythingServer, agent: Agent, run: Run
+) -> None:
+    slow = post(
+        agent, run, "everything.trigger-long-running-operation", input={"duration": 10, "steps": 2}
+    )
+    assert engine.process(slow.pk) == State.PENDING
+    assert "did not answer" in reload(slow).attempts.get().error_message
+
+    everything.kill()
+    echo = post(agent, run, "everything.echo", input={"message": "while down"})
+    assert engine.process(echo.pk) == State.PENDING
+    assert reload(echo).attempts.get().error_class in ("unavailable", "ambiguous")
+
+    everything.start()
+    make_due(echo)
+    assert engine.process(echo.pk) == State.COMPLETED
+
+
+def test_an_http_upstream_whose_host_is_no_longer_allowed_is_refused_before_connecting(
+    everything: EverythingServer, agent: Agent, run: Run, settings: Any
+) -> None:
+    step = post(agent, run, "everything.echo", input={"message": "not allowed now"})
+    settings.EXECUTOR_HTTP_ALLOWED_HOSTS = []
+    assert engine.process(step.pk) == State.FAILED
+    assert reload(step).failure_class == "policy_denied"
