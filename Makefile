@@ -28,6 +28,26 @@ $(VENV)/.installed: pyproject.toml
 .PHONY: install
 install: $(VENV)/.installed
 
+# Agent frameworks nobody here wrote (LangChain's MCP adapters, pydantic-ai, the OpenAI Agents
+# SDK) need the 1.x mcp SDK, the project the 2.x one: they get a venv of their own, which
+# tests/recovery/test_mcp_frameworks.py drives as subprocesses.
+CLIENTS_VENV := .venv-clients
+$(CLIENTS_VENV)/.installed: tests/clients/requirements.txt
+	@py="$$($(FIND_PYTHON))"; \
+	if [ -z "$$py" ]; then echo "Stepward needs Python 3.12 or newer (python3.13 or python3.12 on PATH)." >&2; exit 1; fi; \
+	if [ ! -x $(CLIENTS_VENV)/bin/python ]; then echo "creating $(CLIENTS_VENV) with $$py"; "$$py" -m venv $(CLIENTS_VENV); fi
+	$(CLIENTS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(CLIENTS_VENV)/bin/python -m pip install --quiet -r tests/clients/requirements.txt
+	touch $@
+
+# MCP servers nobody here wrote, from the npm registry, put behind the gateway by the tests
+# (tests/executor/test_gateway.py): installed from the lock file with the machine's npm.
+UPSTREAMS := tests/upstreams
+$(UPSTREAMS)/node_modules/.installed: $(UPSTREAMS)/package.json $(UPSTREAMS)/package-lock.json
+	@command -v npm >/dev/null || { echo "the gateway tests need Node.js and npm (apt-get install nodejs npm)" >&2; exit 1; }
+	npm ci --prefix $(UPSTREAMS) --no-audit --no-fund --loglevel=error
+	touch $@
+
 # With DEBUG off Django refuses to start without a secret key. Unless SECRET_KEY or
 # SECRET_KEY_FILE is set, `make run` uses var/secret.key (made once, random, mode 0600): every
 # process `manage.py up` starts reads it through SECRET_KEY_FILE, so sessions and the
@@ -57,5 +77,5 @@ lint: install
 	SECRET_KEY="$${SECRET_KEY:-lint-only-not-a-secret}" $(PY) manage.py makemigrations --check --dry-run
 
 .PHONY: test
-test: install lint
+test: install lint $(CLIENTS_VENV)/.installed $(UPSTREAMS)/node_modules/.installed
 	bash .ci/test-suites

@@ -303,7 +303,8 @@ API_BAD_TOKEN_RATE = os.environ.get("API_BAD_TOKEN_RATE", "30/min")
 # it sets (e.g. X-Forwarded-For): its last entry, the one that proxy wrote, is taken.
 API_CLIENT_ADDRESS_HEADER = os.environ.get("API_CLIENT_ADDRESS_HEADER", "")
 # How long an MCP tool call waits for its step before answering where it is (seconds).
-MCP_WAIT_SECONDS = float(os.environ.get("MCP_WAIT_SECONDS", "5"))
+# Below 5: the OpenAI Agents SDK's MCP client gives up on an answer after 5 s by default.
+MCP_WAIT_SECONDS = float(os.environ.get("MCP_WAIT_SECONDS", "3"))
 # An MCP call without a `key` is the same step as an identical call (tool and arguments)
 # made within this many seconds before it: a framework's blind retry (0: never).
 MCP_DEDUP_SECONDS = env_int("MCP_DEDUP_SECONDS", 600)
