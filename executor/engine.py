@@ -321,7 +321,7 @@ def claim(
 
 
 def request_evidence(tool: Tool, step: Step) -> dict[str, Any]:
-    return {"tool": tool.name, "input": tool.redacted(step.input)}
+    return {"tool": tool.name, "input": tool.redacted(step.input), **tool.request_details()}
 
 
 def _refusal(

@@ -9,6 +9,7 @@ from celery import shared_task
 from celery.signals import worker_init, worker_process_init, worker_process_shutdown
 
 from executor import dispatch, engine, faults, recovery, sweeper
+from executor.gateway.listing import upstreams_warm
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,16 @@ def fresh_fault_dice(**kwargs: Any) -> None:
     # Forked pool children must not share their parent's random sequence.
     faults.reset()
     faults.configured_rates()
+
+
+@worker_process_init.connect
+def warm_upstreams(**kwargs: Any) -> None:
+    # Each pool process keeps its own sessions with the MCP upstreams: start them now, so a
+    # first call does not wait for a stdio server to start (nothing here waits for them).
+    try:
+        upstreams_warm()
+    except Exception:
+        logger.exception("gateway: could not start the upstreams' sessions")
 
 
 @worker_process_shutdown.connect

@@ -9,6 +9,10 @@ ordinary command. `EXECUTOR_BREAK=lookup` is honoured only with `EXECUTOR_ALLOW_
 does the lookup of every HTTP tool that has one (`lookup_url`, e.g. from `drill
 --tools-file`), so an ambiguous submission is sent again and the desk gets a second ticket
 (DESIGN.md §7, §13.3).
+
+`repeat`: the engine takes every tool for safe to repeat, so a write whose answer was lost
+(a crash after submission, an upstream that died mid-call) is sent again instead of waiting
+for a person: the desk gets a second ticket, the drill's repository a second commit.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import os
 import sys
 
 # What `--break` may name; imported by the drill's options, so that there is one list.
-BREAKS = ("lookup",)
+BREAKS = ("lookup", "repeat")
 
 
 def requested_break() -> str:
@@ -43,7 +47,20 @@ def install() -> str:
     name = requested_break()
     if name == "lookup":
         _install_lying_lookup()
+    if name == "repeat":
+        _install_blind_repeats()
     return name
+
+
+def _install_blind_repeats() -> None:
+    from executor import engine, recovery
+    from executor.tools.base import Tool
+
+    def always(tool: Tool) -> bool:
+        return True
+
+    engine.safe_to_repeat = always
+    recovery.safe_to_repeat = always
 
 
 def _install_lying_lookup() -> None:

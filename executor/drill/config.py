@@ -68,6 +68,10 @@ def parse_desk_faults(spec: str) -> dict[str, float]:
     return rates
 
 
+# What `--upstream` may name ("" for none).
+UPSTREAMS = ("", "git")
+
+
 @dataclass
 class DrillConfig:
     steps: int = 300
@@ -106,6 +110,8 @@ class DrillConfig:
     # as well, and which of its tools (`--tools`, comma-separated; "" for its writes).
     tools_file: str = ""
     tools: str = ""
+    # An MCP server behind the gateway, posted to as well ("git": mcp-server-git; "" none).
+    upstream: str = ""
 
     def validate(self) -> None:
         if self.steps < 1:
@@ -126,6 +132,8 @@ class DrillConfig:
             raise DrillError(f"unknown break {self.break_engine!r}")
         if self.tools and not self.tools_file:
             raise DrillError("--tools names tools of --tools-file FILE: give the file too")
+        if self.upstream not in UPSTREAMS:
+            raise DrillError(f"--upstream must be one of {', '.join(u for u in UPSTREAMS if u)}")
 
     def worker_fault_spec(self) -> str:
         """The worker faults as EXECUTOR_FAULTS spells them."""

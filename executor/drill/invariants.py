@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -73,10 +73,17 @@ def opens_ticket(step: Step, tool: Tool) -> bool:
 
 
 def check_invariants(
-    *, run: Run, posted: Iterable[uuid.UUID], tickets: list[dict[str, Any]]
+    *,
+    run: Run,
+    posted: Iterable[uuid.UUID],
+    tickets: list[dict[str, Any]],
+    effects_elsewhere: Mapping[uuid.UUID, int] | None = None,
 ) -> Verdict:
     """Checks every invariant of DESIGN.md §13 for the steps of `run` against the desk's
-    tickets. Returns the verdict; each violation names the step and what is wrong."""
+    tickets, and for steps whose effects are elsewhere (an upstream's repository) against
+    `effects_elsewhere`, each such step's count of effects there. Returns the verdict; each
+    violation names the step and what is wrong."""
+    elsewhere = effects_elsewhere or {}
     verdict = Verdict()
     steps = {step.pk: step for step in Step.objects.filter(run=run).order_by("position")}
     attempts: dict[uuid.UUID, list[Attempt]] = defaultdict(list)
@@ -129,6 +136,10 @@ def check_invariants(
         violations.extend(_repeated_work(step, attempts[step.pk], events[step.pk], unkeyed=unkeyed))
         if step.tool_id == "echo" and step.state == State.COMPLETED and step.result != step.input:
             violations.append(f"§13.2 {_label(step)} returned {step.result!r}, not its input")
+        if step.pk in elsewhere:
+            violations.extend(_effects_elsewhere(step, elsewhere[step.pk], unkeyed=unkeyed))
+            verdict.duplicates += elsewhere[step.pk] > 1
+            continue
         if not opens_ticket(step, tool):
             continue
         found = tickets_by_ref.get(str(step.operation_id), [])
@@ -191,6 +202,18 @@ def check_invariants(
                 f"{len(events[step.pk])} events"
             )
     return verdict
+
+
+def _effects_elsewhere(step: Step, count: int, *, unkeyed: bool) -> list[str]:
+    """A step whose one effect is counted outside the desk (a commit in a repository)."""
+    if count > 1:
+        return [f"§13.3 duplicate: {_label(step)} took effect {count} times (one expected)"]
+    if step.state in (State.COMPLETED, State.COMPENSATED) and count != 1:
+        return [f"§13.2 {_label(step)} is {step.state}, but took effect {count} times"]
+    no_effect = NO_EFFECT_STATES if unkeyed else KEYED_NO_EFFECT_STATES
+    if step.state in no_effect and count:
+        return [f"§13.2 {_label(step)}: the ledger records no effect, it took effect {count}"]
+    return []
 
 
 def _as_int(text: str) -> int | None:

@@ -31,6 +31,7 @@ from django.utils import timezone
 
 from executor import dispatch, faults, services
 from executor.drill import tools as file_tools
+from executor.drill import upstream as drill_upstream
 from executor.drill.clients import DeskClient, Publisher
 from executor.drill.config import (
     DESK_FAULT_SETTINGS,
@@ -101,6 +102,11 @@ class Drill:
         )
         # The tools the drill posts its steps to.
         self.tools = [*TOOLS, *(self.tools_file.chosen if self.tools_file else [])]
+        # `--upstream git`: mcp-server-git behind the gateway, on a repository of its own.
+        self.upstream_command = drill_upstream.server_command() if config.upstream == "git" else ""
+        self.repository: Path | None = None
+        if self.upstream_command:
+            self.tools.append(drill_upstream.TOOL)
         self.progress = Progress(write, interactive=interactive)
         self.rng = random.Random(config.seed)
         self.database_url = config.database_url or current_database_url()
@@ -187,8 +193,12 @@ class Drill:
             assert self.desk is not None
             assert self.run_record is not None
             verdict = check_invariants(
-                run=self.run_record, posted=self.posted, tickets=self.desk.tickets()
+                run=self.run_record,
+                posted=self.posted,
+                tickets=self.desk.tickets(),
+                effects_elsewhere=self.upstream_effects(),
             )
+            notes.extend(self.upstream_notes())
             if self.tools_file is not None and self.tools_file.secrets:
                 leaks = file_tools.secret_leaks(self.run_record, self.tools_file.secrets)
                 verdict.violations.extend(leaks)
@@ -257,6 +267,7 @@ class Drill:
             "sweep_seconds": config.sweep_seconds,
             "redispatch_after_seconds": config.redispatch_after,
             **({"break": config.break_engine} if config.break_engine else {}),
+            **({"upstream": config.upstream} if config.upstream else {}),
         }
 
     def interruption_points(self, desk_stats: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -402,6 +413,8 @@ class Drill:
                 f"drill: loaded the tools of {self.tools_file.path} at {self.desk.url}"
                 + (f" ({', '.join(changed)} new or changed)" if changed else "")
             )
+        if self.upstream_command:
+            self.load_upstream()
         env = self.child_env()
         sweep = command("sweep", "--loop", through=self.through)
         self.sweeper = Child("sweeper", sweep, env, self.tmp / "sweeper.log")
@@ -421,6 +434,48 @@ class Drill:
             self.workers.append(worker)
         self.next_kill = self.after(self.config.kill_every)
         self.next_freeze = self.after(self.config.freeze_every)
+
+    def load_upstream(self) -> None:
+        """The drill's repository and mcp-server-git on it, listed from here before any
+        step is posted (the workers start their own sessions with it)."""
+        assert self.agent is not None
+        self.repository = drill_upstream.make_repository(self.tmp / "repository")
+        table = drill_upstream.upstream_table(
+            self.repository, [self.upstream_command, "--repository", str(self.repository)]
+        )
+        loaded = services.tools_load(tables=[], upstreams=[table])
+        problems = [listed.error for listed in loaded.listed if listed.error]
+        if problems or drill_upstream.TOOL not in loaded.listed[0].tools:
+            raise DrillError(f"mcp-server-git could not be listed: {'; '.join(problems)}")
+        services.agent_set_tools(agent=self.agent, tools=None)
+        self.progress.line(
+            f"drill: mcp-server-git behind the gateway on {self.repository} "
+            f"({len(loaded.listed[0].tools)} tools)"
+        )
+
+    def upstream_effects(self) -> dict[uuid.UUID, int]:
+        """How many commits the repository has with each upstream step's message."""
+        if self.repository is None:
+            return {}
+        commits = drill_upstream.commits_by_message(self.repository)
+        return {
+            step.pk: commits[str(step.input.get("message", ""))]
+            for step in Step.objects.filter(pk__in=self.posted, tool_id=drill_upstream.TOOL)
+        }
+
+    def upstream_notes(self) -> list[str]:
+        if self.repository is None:
+            return []
+        effects = self.upstream_effects()
+        states = Counter(Step.objects.filter(pk__in=effects).values_list("state", flat=True))
+        waiting = states.get(State.UNKNOWN, 0)
+        by_state = ", ".join(f"{state}={n}" for state, n in sorted(states.items()))
+        twice = sum(1 for count in effects.values() if count > 1)
+        return [
+            f"upstream git: {len(effects)} git_commit step(s) ({by_state}); "
+            f"{sum(effects.values())} commit(s) in the repository, {twice} step(s) with more "
+            f"than one; {waiting} whose answer was lost wait for a reviewer"
+        ]
 
     def start_desk(self) -> None:
         # The desk is the external system: it is never broken, whatever the engine is.
@@ -454,6 +509,11 @@ class Drill:
                 if tool == "echo"
                 else {"title": f"drill ticket {number}", "body": self.run_record.name}
             )  # the shape of file_tools.DRILL_INPUT
+            if tool == drill_upstream.TOOL:
+                assert self.repository is not None
+                tool_input = drill_upstream.commit_input(
+                    self.repository, number, self.run_record.name
+                )
             # This process's own Celery settings may point elsewhere: the step is announced
             # on the drill's broker below, explicitly.
             with dispatch.publishing(dispatch.dropping_publisher):

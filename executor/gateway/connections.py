@@ -254,6 +254,18 @@ class Gateway:
         """Every tool the upstream lists (all pages). Raises Unreachable or AnswerLost."""
         return self._run(self._list(target, timeout), timeout)
 
+    def warm(self, targets: list[Target]) -> None:
+        """Starts a session with each target in the background, so the first call finds it
+        open (a worker process does this when it starts); failures wait for that call."""
+        loop = self._event_loop()
+
+        async def start(target: Target) -> None:
+            with contextlib.suppress(Unreachable):
+                await self._session(target)
+
+        for target in targets:
+            asyncio.run_coroutine_threadsafe(start(target), loop)
+
     def tools_changed(self, name: str) -> bool:
         """Whether the upstream said its tools changed since it was last listed here."""
         session = self._sessions.get(name)

@@ -99,3 +99,18 @@ def upstreams_list_due() -> list[Listed]:
     """Lists every upstream that is due (the sweeper's call)."""
     now = timezone.now()
     return [upstream_list(row) for row in McpUpstream.objects.all() if due(row, now=now)]
+
+
+def upstreams_warm() -> int:
+    """Opens this process's sessions with every upstream in the background (a worker
+    process's start); returns how many it began to open."""
+    targets = []
+    for row in McpUpstream.objects.all():
+        try:
+            target = row_target(row)
+        except MissingVariable:
+            continue
+        if not reach_refusal(target):
+            targets.append(target)
+    gateway().warm(targets)
+    return len(targets)

@@ -53,6 +53,8 @@ MESSAGE_CHARS = 1000
 # An error result's text, read for what it says (first match wins). Anything else an
 # upstream calls an error is not retried unless a repeat is safe.
 ERROR_WORDS: tuple[tuple[FailureClass, re.Pattern[str]], ...] = (
+    # A timeout inside the upstream: the work may have been done before it gave up.
+    (FailureClass.AMBIGUOUS, re.compile(r"timed? ?out|timeout|deadline exceeded", re.IGNORECASE)),
     (
         FailureClass.RATE_LIMITED,
         re.compile(r"rate.?limit|too many requests|\b429\b", re.IGNORECASE),
@@ -144,6 +146,11 @@ class UpstreamTool(Tool):
     @classmethod
     def declared_extra(cls) -> dict[str, Any]:
         return {"upstream": cls.upstream, "remote": cls.remote_name, **cls.upstream_policy}
+
+    @classmethod
+    def request_details(cls) -> dict[str, Any]:
+        reached = cls.reach["url"] or " ".join(cls.reach["command"])
+        return {"upstream": cls.upstream, "upstream_tool": cls.remote_name, "reached": reached}
 
     @classmethod
     def safe_to_repeat(cls) -> bool:

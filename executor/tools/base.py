@@ -315,6 +315,12 @@ class Tool:
         return {}
 
     @classmethod
+    def request_details(cls) -> dict[str, Any]:
+        """What, besides the tool and its redacted input, an attempt's request evidence says
+        of where the call goes (an MCP upstream's name and how it is reached)."""
+        return {}
+
+    @classmethod
     def validator(cls) -> Validator:
         """The input schema's validator, built once per tool class: the draft its `$schema`
         names (an MCP server's may be draft-07), else 2020-12."""

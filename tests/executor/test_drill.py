@@ -11,6 +11,7 @@ import sqlite3
 import subprocess
 import sys
 import tomllib
+from collections import Counter
 from collections.abc import Iterator
 from io import StringIO
 from pathlib import Path
@@ -25,7 +26,10 @@ from django.utils import timezone
 from executor import dispatch, faults, services
 from executor.drill import broken
 from executor.drill import tools as file_tools
+from executor.drill import upstream as drill_upstream
 from executor.drill.report import as_record
+from executor.gateway import tools as upstream_tools
+from executor.gateway.connections import gateway
 from executor.models import DrillReport, HttpToolSpec, Step
 from executor.tools import http as http_tools
 from executor.tools.base import unregister
@@ -139,6 +143,89 @@ def test_drill_on_an_engine_whose_lookup_lies_fails_and_names_the_duplicates() -
     assert report.duplicates >= 1
     assert report.notes.count("§13.3 duplicate") == report.duplicates
     assert report.parameters["break"] == "lookup"
+    forget_logs(report)
+
+
+@pytest.fixture
+def forget_upstream_tools() -> Iterator[None]:
+    """The drill registers the upstream's tools in this process too, and opens a session."""
+    yield
+    gateway().close()
+    for name in upstream_tools.upstream_tool_names():
+        unregister(name)
+    upstream_tools._mine.clear()
+
+
+def commits_in_the_drills_repository(report: DrillReport) -> Counter[str]:
+    """The commits of a failed drill's repository (a failed drill keeps its folder)."""
+    steps = Step.objects.filter(run_id=report.parameters["run_id"], tool_id=drill_upstream.TOOL)
+    repository = Path(steps.first().input["repo_path"])  # type: ignore[union-attr]
+    return drill_upstream.commits_by_message(repository)
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_drill_with_an_mcp_upstream_leaves_one_commit_per_step_and_the_rest_for_a_person(
+    forget_upstream_tools: None,
+) -> None:
+    report, _ = drill(
+        steps=48,
+        workers=2,
+        rates="before_invoke:0.05,after_submit:0.15,before_persist:0.05",
+        kill_every=0,
+        freeze_every=0,
+        compensate=0,
+        upstream="git",
+    )
+
+    assert report.passed, report.notes
+    assert report.parameters["upstream"] == "git"
+    assert report.interruption_points["worker"]["after_submit"]["hits"] >= 1
+    steps = Step.objects.filter(run_id=report.parameters["run_id"], tool_id=drill_upstream.TOOL)
+    assert steps.count() == 12
+    completed = steps.filter(state="completed").count()
+    # Whatever is not completed had its answer lost with its worker: a person decides.
+    assert steps.exclude(state="completed").exclude(state="unknown").count() == 0
+    assert completed >= 1
+    for step in steps.filter(state="unknown"):
+        submitted = step.attempts.exclude(request_evidence=None).last()
+        assert submitted is not None
+        assert submitted.request_evidence["upstream"] == "git"
+        assert submitted.request_evidence["input"]["message"] == step.input["message"]
+    # The drill counted the commits in its repository (removed with the drill's folder
+    # when it passes): one per completed step, at most one per unknown one, never two.
+    found = re.search(
+        r"upstream git: 12 git_commit step\(s\) \(.*?\); (\d+) commit\(s\) in the "
+        r"repository, 0 step\(s\) with more than one",
+        report.notes,
+    )
+    assert found is not None, report.notes
+    assert completed <= int(found.group(1)) <= steps.count()
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_drill_on_an_engine_that_repeats_lost_writes_fails_naming_the_second_commits(
+    forget_upstream_tools: None,
+) -> None:
+    report, _, error = failed_drill(
+        steps=40,
+        workers=2,
+        rates="after_submit:0.2",
+        kill_every=0,
+        freeze_every=0,
+        compensate=0,
+        timeout=300,
+        upstream="git",
+        break_engine="repeat",
+    )
+
+    assert "FAILED" in error
+    assert not report.passed
+    assert re.search(
+        r"duplicate: step \S+ \(git\.git_commit, .*took effect \d+ times", report.notes
+    )
+    assert any(count > 1 for count in commits_in_the_drills_repository(report).values())
     forget_logs(report)
 
 

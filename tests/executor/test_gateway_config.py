@@ -208,6 +208,7 @@ def test_a_tool_that_cannot_be_a_stepward_tool_is_not_registered(listed: dict[st
         ),
         ("API rate limit exceeded, retry later", False, FailureClass.RATE_LIMITED),
         ("Error executing tool git_commit: No changes staged", False, FailureClass.CONFLICT),
+        ("upstream request timed out after 30s", False, FailureClass.AMBIGUOUS),
         ("something went wrong", True, FailureClass.TRANSIENT),
         ("something went wrong", False, FailureClass.CONFLICT),
     ],

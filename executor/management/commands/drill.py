@@ -122,6 +122,13 @@ class Command(BaseCommand):
             "no other tool's compensation)",
         )
         # Test-only: a deliberately broken engine, to show that the drill can fail.
+        parser.add_argument(
+            "--upstream",
+            choices=["git"],
+            default="",
+            help="also post commits to mcp-server-git behind the MCP gateway, on a repository "
+            "of the drill's own (one commit per step, never two)",
+        )
         parser.add_argument("--break", dest="break_engine", choices=BREAKS, help=argparse.SUPPRESS)
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -145,6 +152,7 @@ class Command(BaseCommand):
                 break_engine=options["break_engine"] or "",
                 tools_file=options["tools_file"],
                 tools=options["tools"],
+                upstream=options["upstream"],
             )
             if options["seed"] is not None:
                 config.seed = options["seed"]
