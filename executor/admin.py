@@ -24,6 +24,7 @@ from django.utils.safestring import SafeString
 from guardian.admin import GuardedModelAdmin
 
 from executor import policy, services
+from executor.gateway import config as gateway_config
 from executor.ledger import verify_chain
 from executor.models import (
     Agent,
@@ -32,6 +33,7 @@ from executor.models import (
     DrillReport,
     Event,
     HttpToolSpec,
+    McpUpstream,
     Run,
     Step,
     Tool,
@@ -312,6 +314,118 @@ class HttpToolSpecAdmin(admin.ModelAdmin):
             )
 
     def delete_model(self, request: HttpRequest, obj: HttpToolSpec) -> None:
+        super().delete_model(request, obj)
+        services.tools_sync()
+
+
+class McpUpstreamForm(forms.ModelForm):
+    """The fields of API.md's [[upstream]] table, checked exactly as `load_tools` checks
+    them; what its workers listed is shown, not edited."""
+
+    class Meta:
+        model = McpUpstream
+        fields = [
+            "name",
+            "description",
+            "command",
+            "cwd",
+            "env",
+            "url",
+            "headers",
+            "trust_annotations",
+            "defaults",
+            "tool_settings",
+            "timeout_seconds",
+        ]
+        help_texts = {
+            "command": "stdio: the command a worker starts, as a JSON list, e.g. "
+            '["mcp-server-git", "--repository", "/srv/repo"]. Leave [] for one reached by URL.',
+            "url": "streamable HTTP: its host must be in EXECUTOR_HTTP_ALLOWED_HOSTS.",
+            "env": "Extra environment for the command; values may read the worker's: "
+            '{"GITHUB_TOKEN": "${GITHUB_TOKEN}"}. The secret itself is never stored.',
+            "headers": '{"Authorization": "Bearer ${MCP_TOKEN}"}, read at connection time.',
+            "trust_annotations": "Let the upstream's MCP annotations (readOnlyHint, "
+            "destructiveHint, idempotentHint) set what a tool declares where tool_settings "
+            "does not.",
+            "defaults": '{"effect": "write", "idempotency": "none", "approval": "never"}',
+            "tool_settings": 'Per tool: {"git_commit": {"approval": "always", "redact": '
+            '["message"]}} (effect, idempotency, approval, redact, compensation, retry, '
+            "timeout, external_id, description).",
+            "timeout_seconds": "How long a call may take before its answer counts as lost.",
+        }
+
+    def clean(self) -> dict[str, Any]:
+        cleaned: dict[str, Any] = super().clean() or {}
+        table = {
+            word: cleaned[field]
+            for word, field in gateway_config.FIELDS.items()
+            if field in cleaned and cleaned[field] not in ("", None, {}, [])
+        }
+        table.setdefault("name", cleaned.get("name", ""))
+        if "timeout_seconds" in cleaned:
+            table["timeout"] = cleaned["timeout_seconds"]
+        tools = {t.name for t in all_tools()}
+        for problem in gateway_config.upstream_errors(table, tools=tools):
+            self.add_error(None, problem)
+        return cleaned
+
+
+@admin.register(McpUpstream)
+class McpUpstreamAdmin(admin.ModelAdmin):
+    """MCP servers behind Stepward: the same records `manage.py load_tools` writes (API.md
+    "MCP gateway"). The workers list each one's tools after every sweep."""
+
+    form = McpUpstreamForm
+    list_display = ["name", "reached_by", "tool_count", "listed_at", "checked_at", "status"]
+    search_fields = ["name", "url", "description"]
+    readonly_fields = ["listed", "server", "listed_at", "checked_at", "list_error"]
+
+    @admin.display(description="reached by")
+    def reached_by(self, obj: McpUpstream) -> str:
+        return obj.url or " ".join(obj.command)
+
+    @admin.display(description="tools")
+    def tool_count(self, obj: McpUpstream) -> int:
+        return len(obj.listed_tools)
+
+    @admin.display(description="status")
+    def status(self, obj: McpUpstream) -> str:
+        if obj.list_error:
+            return f"not listed: {obj.list_error[:120]}"
+        return "listed" if obj.listed_at else "not listed yet"
+
+    @admin.display(description="tools it lists, as Stepward declares them")
+    def listed(self, obj: McpUpstream) -> SafeString:
+        rows = []
+        for entry in obj.listed_tools:
+            declared = gateway_config.declarations(obj, entry)
+            rows.append(
+                format_html(
+                    "<li><code>{}.{}</code>: {}, {}, approval {} <small>({})</small></li>",
+                    obj.name,
+                    entry.get("name", "?"),
+                    declared.effect,
+                    "idempotent" if declared.idempotent else "not idempotent",
+                    declared.approval,
+                    ", ".join(f"{word} from {source}" for word, source in declared.sources),
+                )
+            )
+        return format_html("<ul>{}</ul>", SafeString("".join(rows))) if rows else SafeString("-")
+
+    @admin.display(description="server")
+    def server(self, obj: McpUpstream) -> str:
+        return pretty_json(obj.server_info)
+
+    def save_model(self, request: HttpRequest, obj: McpUpstream, form: Any, change: bool) -> None:
+        super().save_model(request, obj, form, change)
+        services.tools_sync()
+        messages.info(
+            request,
+            "Saved. The workers list its tools at their next sweep; a change is a new policy "
+            "version for every one of its tools (earlier approvals no longer authorize).",
+        )
+
+    def delete_model(self, request: HttpRequest, obj: McpUpstream) -> None:
         super().delete_model(request, obj)
         services.tools_sync()
 

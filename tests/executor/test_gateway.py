@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from django.test import Client
+from django.urls import reverse
 
 from executor import engine, services
 from executor.gateway.connections import gateway
@@ -368,3 +370,45 @@ def test_an_http_upstream_whose_host_is_no_longer_allowed_is_refused_before_conn
     settings.EXECUTOR_HTTP_ALLOWED_HOSTS = []
     assert engine.process(step.pk) == State.FAILED
     assert reload(step).failure_class == "policy_denied"
+
+
+# --- admin edits the same records ----------------------------------------------------------
+
+
+def test_admin_shows_what_the_upstream_lists_and_checks_an_edit_like_load_tools(
+    git: services.ToolsLoaded, client: Client, owner: Any
+) -> None:
+    client.force_login(owner)
+    row = McpUpstream.objects.get(name="git")
+    url = reverse("admin:executor_mcpupstream_change", args=[row.pk])
+    page = client.get(url).content.decode()
+    assert "git.git_commit" in page
+    assert "effect from annotations" in page
+    assert "mcp-git" in page
+
+    def form(**changes: str) -> dict[str, str]:
+        fields = {
+            "name": row.name,
+            "description": "",
+            "command": json.dumps(row.command),
+            "cwd": "",
+            "env": json.dumps(row.env),
+            "url": "",
+            "headers": "{}",
+            "trust_annotations": "on",
+            "defaults": json.dumps(row.defaults),
+            "tool_settings": "{}",
+            "timeout_seconds": "20",
+        }
+        return {**fields, **changes}
+
+    bad = client.post(url, form(tool_settings='{"git_commit": {"approval": "maybe"}}'))
+    assert bad.status_code == 200
+    assert "tools.git_commit.approval" in bad.content.decode()
+    assert McpUpstream.objects.get(pk=row.pk).tool_settings == {}
+
+    good = client.post(url, form(tool_settings='{"git_commit": {"approval": "always"}}'))
+    assert good.status_code == 302
+    tool = find_tool("git.git_commit")
+    assert tool is not None
+    assert tool.needs_approval()
