@@ -162,8 +162,7 @@ def test_a_write_whose_upstream_is_killed_mid_call_is_unknown_and_never_sent_aga
     up.set("slow")  # the hook holds the call after the commit
 
     def kill_in_the_hook() -> None:
-        up.wait_for("in-hook")
-        up.kill()
+        up.kill_the_one_in_the_hook()
         up.set("slow", on=False)
 
     killer = threading.Thread(target=kill_in_the_hook)

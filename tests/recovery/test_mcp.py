@@ -7,32 +7,26 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import httpx2
 import pytest
-from mcp import Client, StdioServerParameters
-from mcp.client.streamable_http import streamable_http_client
+from mcp import Client
 from mcp_types import CallToolResult
 
 from executor import mcp, services
-from executor.mcp_server import run_to_completion
 from executor.models import Agent, Step
 from executor.states import State
 from tests.support.api import AgentAuth
 from tests.support.cluster import Cluster, Stall
+from tests.support.mcp import WAIT_SECONDS, Work, call, over_http, over_stdio, text_of
 from tests.support.webserver import WebServer
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 ROOT = Path(__file__).resolve().parents[2]
-# Generous: the call answers as soon as its step settles; this only bounds a stuck test.
-WAIT_SECONDS = "20"
-
-type Work[T] = Callable[[Client], Awaitable[T]]
 
 
 @pytest.fixture
@@ -47,37 +41,6 @@ def web(cluster: Cluster, tmp_path: Path) -> Iterator[WebServer]:
     server.stop()
 
 
-def over_http[T](web: WebServer, token: str, work: Work[T]) -> T:
-    """Runs `work` with the SDK's streamable HTTP client connected to `/mcp` as the agent."""
-
-    async def session() -> T:
-        headers = {"Authorization": f"Bearer {token}"}
-        async with httpx2.AsyncClient(headers=headers, timeout=60) as http:
-            transport = streamable_http_client(f"{web.url}/mcp", http_client=http)
-            async with Client(transport) as client:
-                return await work(client)
-
-    return run_to_completion(session())
-
-
-def over_stdio[T](cluster: Cluster, token: str, work: Work[T]) -> T:
-    """Runs `work` with the SDK's stdio client talking to `manage.py mcp` as the agent."""
-    env = {**cluster.env, "STEPWARD_TOKEN": token, "MCP_WAIT_SECONDS": WAIT_SECONDS}
-    server = StdioServerParameters(
-        command=sys.executable, args=[str(ROOT / "manage.py"), "mcp"], env=env, cwd=str(ROOT)
-    )
-
-    async def session() -> T:
-        async with Client(server) as client:
-            return await work(client)
-
-    return run_to_completion(session())
-
-
-def text_of(result: CallToolResult) -> str:
-    return "\n".join(getattr(block, "text", "") for block in result.content)
-
-
 def listed_and_called(
     tool: str, arguments: dict[str, Any]
 ) -> Work[tuple[dict[str, dict[str, Any]], CallToolResult]]:
@@ -85,13 +48,6 @@ def listed_and_called(
         listed = await client.list_tools()
         tools = {t.name: t.input_schema for t in listed.tools}
         return tools, await client.call_tool(tool, arguments)
-
-    return work
-
-
-def call(tool: str, arguments: dict[str, Any]) -> Work[CallToolResult]:
-    async def work(client: Client) -> CallToolResult:
-        return await client.call_tool(tool, arguments)
 
     return work
 

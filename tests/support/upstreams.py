@@ -38,8 +38,9 @@ HOOK = """#!/bin/sh
 date +%s%N >> counter
 git add counter
 # Hold the call after the commit while `slow` exists (a test kills the upstream meanwhile).
+# The server that runs this hook is its parent (GitPython runs hooks itself).
 while [ -e "$STEPWARD_STATE/slow" ]; do
-  touch "$STEPWARD_STATE/in-hook"
+  echo $PPID > "$STEPWARD_STATE/in-hook.tmp" && mv "$STEPWARD_STATE/in-hook.tmp" "$STEPWARD_STATE/in-hook"
   sleep 0.05
 done
 """
@@ -78,11 +79,16 @@ class Upstream:
         return {"STEPWARD_STATE": str(self.state), **more}
 
     def pid(self) -> int:
+        """The pid of the upstream started last (several processes may each run one)."""
         return int((self.state / "pid").read_text())
 
     def kill(self) -> None:
-        with_pid = self.pid()
-        os.kill(with_pid, signal.SIGKILL)
+        os.kill(self.pid(), signal.SIGKILL)
+
+    def kill_the_one_in_the_hook(self) -> None:
+        """SIGKILLs the server whose git_commit the hook is holding (`slow`)."""
+        self.wait_for("in-hook")
+        os.kill(int((self.state / "in-hook").read_text()), signal.SIGKILL)
 
     def set(self, flag: str, on: bool = True) -> None:
         path = self.state / flag
