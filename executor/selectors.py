@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import functools
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
@@ -468,6 +468,9 @@ class ToolInfo:
     input_schema: dict[str, Any]
     registered: bool = True
     usable: bool = False
+    # Where its calls go, when that is another system's tool (an MCP upstream's name, its
+    # own name for the tool, how it is reached): what a reviewer approves a call to.
+    goes_to: dict[str, Any] = field(default_factory=dict)
 
 
 def tool_infos(*, workspace_id: int, user_id: int | None = None) -> list[ToolInfo]:
@@ -528,6 +531,7 @@ def _info(
         usable=user_id is not None
         and facts.registered(tool.name)
         and facts.holds(user_id, "use_tool", tool=tool.name),
+        goes_to=tool.request_details(),
     )
 
 

@@ -54,6 +54,7 @@ TOOL_FIELDS = (
     "retry",
     "timeout",
     "external_id",
+    "external_id_from_text",
 )
 
 
@@ -180,6 +181,15 @@ def _tool_entry_problems(
             RetryPolicy(**retry)
         except (TypeError, ValueError) as error:
             problems.append((".retry", str(error)))
+    pattern = entry.get("external_id_from_text")
+    if pattern is not None:
+        try:
+            if not isinstance(pattern, str) or re.compile(pattern).groups != 1:
+                problems.append(
+                    (".external_id_from_text", "must be a regular expression with one group")
+                )
+        except re.error as error:
+            problems.append((".external_id_from_text", f"is not a regular expression: {error}"))
     if "timeout" in entry and not _seconds(entry["timeout"]):
         problems.append((".timeout", f"must be seconds, more than 0 and at most {MAX_TIMEOUT:g}"))
     compensation = entry.get("compensation", "")
@@ -233,7 +243,10 @@ class Declared:
     compensation: str = ""
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     timeout_seconds: float = 60.0
+    # Which field of the structured result names the effect, or a pattern whose one group
+    # finds it in the result's text (e.g. a commit's hash).
     external_id: str = ""
+    external_id_from_text: str = ""
     # Where each declaration came from ("tools", "annotations", "defaults", "stepward").
     sources: tuple[tuple[str, str], ...] = ()
 
@@ -273,6 +286,7 @@ def declarations(row: McpUpstream, listed: Mapping[str, Any]) -> Declared:
         retry=RetryPolicy(**entry["retry"]) if entry.get("retry") else RetryPolicy(),
         timeout_seconds=float(entry.get("timeout", row.timeout_seconds)),
         external_id=str(entry.get("external_id", "")),
+        external_id_from_text=str(entry.get("external_id_from_text", "")),
         sources=tuple(sources),
     )
 

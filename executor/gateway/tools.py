@@ -204,11 +204,17 @@ class UpstreamTool(Tool):
                 f"{text[:MESSAGE_CHARS]}",
                 evidence={**evidence, "answer": _cut(text, 4000)},
             )
-        external = ""
+        return ToolResult(result=body, external_id=self._external_id(body), evidence=evidence)
+
+    def _external_id(self, body: dict[str, Any]) -> str:
+        """The id of the effect, where the tool's entry says how to find it."""
         structured = body.get("structured")
         if self.declared.external_id and isinstance(structured, dict):
-            external = str(structured.get(self.declared.external_id, "") or "")
-        return ToolResult(result=body, external_id=external[:200], evidence=evidence)
+            return str(structured.get(self.declared.external_id, "") or "")[:200]
+        if self.declared.external_id_from_text:
+            found = re.search(self.declared.external_id_from_text, str(body.get("text", "")))
+            return found.group(1)[:200] if found else ""
+        return ""
 
     def _protocol_error(self, error: MCPError, target: Target) -> ToolError:
         """An error the upstream answered at the protocol level (JSON-RPC)."""

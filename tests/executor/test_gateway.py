@@ -9,6 +9,7 @@ exit at start or hang, and counts the commits in the repository: never a second 
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -116,6 +117,20 @@ def test_a_write_happens_once(
     assert repo.commits_with("the first write") == 1
     run_every_automatic_path()
     assert repo.commits_with("the first write") == 1
+
+
+def test_the_effects_id_can_be_read_from_the_answers_text(
+    agent: Agent, run: Run, up: Upstream, repo: GitRepo, fresh_sessions: None
+) -> None:
+    entry = {"external_id_from_text": "hash ([0-9a-f]{40})"}
+    load(agent, git_upstream_table(up, repo, tools={"git_commit": entry}))
+    step = commit(agent, run, repo, "with its hash")
+
+    assert engine.process(step.pk) == State.COMPLETED
+    head = subprocess.run(
+        ["git", "-C", str(repo.path), "rev-parse", "HEAD"], capture_output=True, text=True
+    )
+    assert reload(step).external_id == head.stdout.strip()
 
 
 def test_an_approval_gated_write_waits_then_happens_once(

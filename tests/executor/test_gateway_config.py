@@ -71,6 +71,11 @@ def test_the_apis_example_table_loads() -> None:
         ({"tools": {"git_commit": {"colour": 1}}}, "'tools.git_commit.colour': unknown field"),
         ({"tools": {"git_commit": {"compensation": "nothing.here"}}}, "names no tool"),
         ({"tools": {"git_commit": {"retry": {"max_attempts": 0}}}}, "tools.git_commit.retry"),
+        (
+            {"tools": {"git_commit": {"external_id_from_text": "hash [0-9a-f]+"}}},
+            "with one group",
+        ),
+        ({"tools": {"git_commit": {"external_id_from_text": "(["}}}, "not a regular expression"),
     ],
 )
 def test_a_bad_table_is_refused_naming_the_upstream_and_the_field(
