@@ -60,5 +60,3 @@ def call(tool: str, arguments: dict[str, Any]) -> Work[CallToolResult]:
         return await client.call_tool(tool, arguments)
 
     return work
-
-
