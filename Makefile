@@ -43,10 +43,11 @@ $(CLIENTS_VENV)/.installed: tests/clients/requirements.txt
 # MCP servers nobody here wrote, from the npm registry, put behind the gateway by the tests
 # (tests/executor/test_gateway.py): installed from the lock file with the machine's npm.
 UPSTREAMS := tests/upstreams
+# Without npm they are not installed, and the tests that need them are said NOT RUN.
 $(UPSTREAMS)/node_modules/.installed: $(UPSTREAMS)/package.json $(UPSTREAMS)/package-lock.json
-	@command -v npm >/dev/null || { echo "the gateway tests need Node.js and npm (apt-get install nodejs npm)" >&2; exit 1; }
-	npm ci --prefix $(UPSTREAMS) --no-audit --no-fund --loglevel=error
-	touch $@
+	@if command -v npm >/dev/null; then \
+	  npm ci --prefix $(UPSTREAMS) --no-audit --no-fund --loglevel=error && touch $@; \
+	else echo "no npm here: the npm MCP servers of the gateway tests are not installed"; fi
 
 # With DEBUG off Django refuses to start without a secret key. Unless SECRET_KEY or
 # SECRET_KEY_FILE is set, `make run` uses var/secret.key (made once, random, mode 0600): every

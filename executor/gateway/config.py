@@ -55,7 +55,11 @@ TOOL_FIELDS = (
     "timeout",
     "external_id",
     "external_id_from_text",
+    "on_error",
 )
+# What an error answer the gateway cannot read means for a write: it failed (the default),
+# or its effect is unknown (an upstream that may fail after acting).
+ON_ERROR = ("failed", "unknown")
 
 
 def upstream_errors(table: Mapping[str, Any], *, tools: Iterable[str] = ()) -> list[str]:
@@ -181,6 +185,8 @@ def _tool_entry_problems(
             RetryPolicy(**retry)
         except (TypeError, ValueError) as error:
             problems.append((".retry", str(error)))
+    if "on_error" in entry and entry["on_error"] not in ON_ERROR:
+        problems.append((".on_error", f"must be one of {', '.join(ON_ERROR)}"))
     pattern = entry.get("external_id_from_text")
     if pattern is not None:
         try:
@@ -247,6 +253,8 @@ class Declared:
     # finds it in the result's text (e.g. a commit's hash).
     external_id: str = ""
     external_id_from_text: str = ""
+    # "unknown": an error answer it cannot read leaves a write's effect unknown (a person).
+    on_error: str = "failed"
     # Where each declaration came from ("tools", "annotations", "defaults", "stepward").
     sources: tuple[tuple[str, str], ...] = ()
 
@@ -287,6 +295,7 @@ def declarations(row: McpUpstream, listed: Mapping[str, Any]) -> Declared:
         timeout_seconds=float(entry.get("timeout", row.timeout_seconds)),
         external_id=str(entry.get("external_id", "")),
         external_id_from_text=str(entry.get("external_id_from_text", "")),
+        on_error=str(entry.get("on_error", "failed")),
         sources=tuple(sources),
     )
 

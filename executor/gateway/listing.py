@@ -90,7 +90,8 @@ def due(row: McpUpstream, *, now: Any) -> bool:
         return True
     if gateway().tools_changed(row.name):
         return True
-    since_listed = (row.checked_at - (row.listed_at or row.checked_at)).total_seconds()
+    # Failing since it was last listed, or (never listed) since it was loaded or edited.
+    since_listed = (row.checked_at - (row.listed_at or row.updated_at)).total_seconds()
     pause = min(MAX_PAUSE_SECONDS, max(settings.EXECUTOR_SWEEP_SECONDS, since_listed))
     return now >= row.checked_at + timedelta(seconds=pause)
 

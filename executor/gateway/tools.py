@@ -198,6 +198,8 @@ class UpstreamTool(Tool):
         if result.is_error:
             text = str(body.get("text", ""))
             failure = classify_error_text(text, safe=self.safe_to_repeat())
+            if failure == FailureClass.CONFLICT and self.declared.on_error == "unknown":
+                failure = FailureClass.AMBIGUOUS
             raise ToolError(
                 failure,
                 f"upstream {self.upstream} answered {self.remote_name} with an error: "

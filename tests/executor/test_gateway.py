@@ -24,6 +24,7 @@ from executor.gateway.connections import gateway
 from executor.models import Agent, McpUpstream, Run, Step
 from executor.states import State
 from executor.tools.base import find_tool
+from executor.tools.files import read_tool_file
 from tests.support.api import ApiClient
 from tests.support.tooling import make_due, post, reload, run_every_automatic_path
 from tests.support.upstreams import (
@@ -37,6 +38,8 @@ from tests.support.upstreams import (
 )
 
 pytestmark = pytest.mark.django_db(transaction=True)
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -290,6 +293,7 @@ def entities(graph: Path) -> list[str]:
     ]
 
 
+@pytest.mark.npm
 def test_an_npm_server_lists_reads_writes_once_and_its_destructive_tool_waits(
     memory: Path, agent: Agent, run: Run, api: ApiClient, reviewer: Any
 ) -> None:
@@ -347,6 +351,7 @@ def everything(
     server.kill()
 
 
+@pytest.mark.npm
 def test_an_http_upstream_is_listed_and_answers(
     everything: EverythingServer, agent: Agent, run: Run
 ) -> None:
@@ -358,6 +363,7 @@ def test_an_http_upstream_is_listed_and_answers(
     assert "5" in reload(total).result["text"]
 
 
+@pytest.mark.npm
 def test_an_http_upstream_that_answers_too_late_or_dies_is_retried_not_wedged(
     everything: EverythingServer, agent: Agent, run: Run
 ) -> None:
@@ -377,6 +383,7 @@ def test_an_http_upstream_that_answers_too_late_or_dies_is_retried_not_wedged(
     assert engine.process(echo.pk) == State.COMPLETED
 
 
+@pytest.mark.npm
 def test_an_http_upstream_whose_host_is_no_longer_allowed_is_refused_before_connecting(
     everything: EverythingServer, agent: Agent, run: Run, settings: Any
 ) -> None:
@@ -426,3 +433,45 @@ def test_admin_shows_what_the_upstream_lists_and_checks_an_edit_like_load_tools(
     tool = find_tool("git.git_commit")
     assert tool is not None
     assert tool.needs_approval()
+
+
+def test_a_write_declared_to_fail_after_acting_leaves_an_unread_error_to_a_person(
+    agent: Agent, run: Run, up: Upstream, repo: GitRepo, fresh_sessions: None
+) -> None:
+    load(agent, git_upstream_table(up, repo, tools={"git_checkout": {"on_error": "unknown"}}))
+    step = post(
+        agent,
+        run,
+        "git.git_checkout",
+        input={"repo_path": str(repo.path), "branch_name": "no-such-branch"},
+    )
+    assert engine.process(step.pk) == State.UNKNOWN
+    assert reload(step).failure_class == "ambiguous"
+
+
+# --- the README's example --------------------------------------------------------------------
+
+EXAMPLE = ROOT / "examples" / "git-upstream.toml"
+
+
+def test_the_readmes_upstream_is_the_example_file_word_for_word() -> None:
+    example = EXAMPLE.read_text().strip()
+    for page in (ROOT / "README.md", ROOT / "docs" / "mcp.md"):
+        assert f"```toml\n{example}\n```" in page.read_text(), page
+
+
+def test_the_example_file_loads_and_lists_the_git_tools(
+    agent: Agent, tmp_path: Path, fresh_sessions: None
+) -> None:
+    repo = git_repo(tmp_path, tmp_path)
+    file = read_tool_file(EXAMPLE)
+    [table] = file.upstreams
+    table["command"] = [
+        str(repo.path) if part.startswith("/tmp/") else part for part in table["command"]
+    ]
+    report = services.tools_load(tables=file.tools, upstreams=file.upstreams)
+    assert report.listed[0].error == ""
+    assert {"git.git_status", "git.git_commit", "git.git_reset"} <= set(report.listed[0].tools)
+    commit = find_tool("git.git_commit")
+    assert commit is not None
+    assert commit.needs_approval()

@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+from django.utils import timezone
 
 from executor import services
 from executor.gateway import config
+from executor.gateway.listing import due
 from executor.gateway.tools import classify_error_text, tool_class
 from executor.models import McpUpstream
 from executor.tools.base import ApprovalRule, Effect, FailureClass, RegistrationError
@@ -269,3 +272,17 @@ def test_check_and_prune_apply_to_upstreams(tmp_path: Path) -> None:
     pruned = services.tools_load(tables=[], upstreams=[], prune=True)
     assert pruned.upstreams_removed == ["ghost"]
     assert not McpUpstream.objects.exists()
+
+
+def test_an_upstream_that_keeps_failing_to_list_is_asked_less_and_less_often() -> None:
+    now = timezone.now()
+    listed = row(checked_at=now, listed_at=now, list_error="")
+    assert due(listed, now=now)  # listed fine: every sweep
+    failing = row(checked_at=now, listed_at=now - timedelta(seconds=100), list_error="down")
+    assert not due(failing, now=now + timedelta(seconds=50))
+    assert due(failing, now=now + timedelta(seconds=100))
+    never = row(
+        checked_at=now, listed_at=None, list_error="down", updated_at=now - timedelta(hours=1)
+    )
+    assert not due(never, now=now + timedelta(seconds=200))
+    assert due(never, now=now + timedelta(seconds=300))  # the pause stops growing at 5 minutes

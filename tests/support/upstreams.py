@@ -40,7 +40,8 @@ git add counter
 # Hold the call after the commit while `slow` exists (a test kills the upstream meanwhile).
 # The server that runs this hook is its parent (GitPython runs hooks itself).
 while [ -e "$STEPWARD_STATE/slow" ]; do
-  echo $PPID > "$STEPWARD_STATE/in-hook.tmp" && mv "$STEPWARD_STATE/in-hook.tmp" "$STEPWARD_STATE/in-hook"
+  echo $PPID > "$STEPWARD_STATE/in-hook.tmp"
+  mv "$STEPWARD_STATE/in-hook.tmp" "$STEPWARD_STATE/in-hook"
   sleep 0.05
 done
 """

@@ -52,7 +52,6 @@ class Command(BaseCommand):
             for problem in (error.details or {}).get("problems", []):
                 self.stderr.write(self.style.ERROR(problem))
             raise CommandError(f"{path}: {error.message}") from None
-        verb = "would be" if options["check"] else "were"
         new_version = " (a new policy version: earlier approvals no longer hold)"
         for noun, done, names in (
             ("tool", "created", report.created),
@@ -65,7 +64,9 @@ class Command(BaseCommand):
             ("upstream", "removed", report.upstreams_removed),
         ):
             if names:
-                count = f"{len(names)} {noun}{'s' if len(names) != 1 else ''}"
+                many = len(names) != 1
+                verb = "would be" if options["check"] else ("were" if many else "was")
+                count = f"{len(names)} {noun}{'s' if many else ''}"
                 self.stdout.write(f"{count} {verb} {done}: {', '.join(names)}")
         for listed in report.listed:
             if listed.error:
