@@ -177,8 +177,9 @@ class _Session:
 
     async def _on_message(self, message: Any) -> None:
         if isinstance(message, Exception):
-            self.broken = True
-            self.stop.set()
+            # A line the SDK could not read (a server that logs on stdout) or a stream that
+            # hiccuped: the session goes on; one that really ended is seen by _Watched.
+            logger.warning("gateway: upstream %s: %s", self.target.name, message)
         elif isinstance(message, types.ToolListChangedNotification):
             self.tools_changed = True
         await anyio.lowlevel.checkpoint()
@@ -229,8 +230,13 @@ class Gateway:
     forked child, which inherits the object but not the thread)."""
 
     def __init__(self) -> None:
+        self._forget()
+
+    def _forget(self) -> None:
+        """No loop, no session: what a new process (a forked child too) starts with. The
+        lock is new as well: a thread of the parent may have held it at the fork."""
         self._lock = threading.Lock()
-        self._pid = 0
+        self._pid = os.getpid()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sessions: dict[str, _Session] = {}
         self._opening: dict[str, asyncio.Lock] = {}
@@ -302,16 +308,17 @@ class Gateway:
             ) from None
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
+        if self._pid != os.getpid():
+            self._forget()  # a fork the at-fork hook did not see
         with self._lock:
-            if self._loop is None or self._pid != os.getpid():
-                # A forked child: the parent's loop thread does not exist here.
-                self._pid = os.getpid()
-                self._sessions = {}
-                self._opening = {}
+            if self._loop is None:
                 loop = asyncio.new_event_loop()
-                threading.Thread(
-                    target=loop.run_forever, name="stepward-gateway", daemon=True
-                ).start()
+
+                def run() -> None:
+                    loop.run_forever()
+                    loop.close()
+
+                threading.Thread(target=run, name="stepward-gateway", daemon=True).start()
                 self._loop = loop
             return self._loop
 
@@ -513,6 +520,8 @@ def _failure_text(error: BaseException | None) -> str:
 
 
 _gateway = Gateway()
+# A forked child (Celery's pool) inherits the object, not the loop's thread.
+os.register_at_fork(after_in_child=_gateway._forget)
 
 
 def gateway() -> Gateway:

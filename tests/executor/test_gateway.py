@@ -9,6 +9,7 @@ exit at start or hang, and counts the commits in the repository: never a second 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from django.urls import reverse
 
 from executor import engine, services
 from executor.gateway.connections import gateway
+from executor.gateway.tools import target_for
 from executor.models import Agent, McpUpstream, Run, Step
 from executor.states import State
 from executor.tools.base import find_tool
@@ -475,3 +477,23 @@ def test_the_example_file_loads_and_lists_the_git_tools(
     commit = find_tool("git.git_commit")
     assert commit is not None
     assert commit.needs_approval()
+
+
+def test_a_forked_child_opens_sessions_of_its_own(
+    up: Upstream, repo: GitRepo, fresh_sessions: None
+) -> None:
+    """Celery's pool forks its processes: a child inherits the gateway, not its loop."""
+    target = target_for(
+        "git", {**git_upstream_table(up, repo), "cwd": "", "url": "", "headers": {}}
+    )
+    assert gateway().list_tools(target, timeout=20).tools  # the parent's loop and session
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child's outcome is its exit status
+        try:
+            listed = gateway().list_tools(target, timeout=20)
+            os._exit(0 if any(tool.name == "git_commit" for tool in listed.tools) else 1)
+        except BaseException:  # noqa: BLE001
+            os._exit(2)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert gateway().list_tools(target, timeout=20).tools  # the parent's still works
