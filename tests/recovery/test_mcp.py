@@ -5,6 +5,7 @@ tools and call them, a real worker runs the steps, and the ticket desk supplies 
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from collections.abc import Iterator
@@ -13,10 +14,12 @@ from typing import Any
 
 import httpx
 import pytest
-from mcp import Client
+from mcp import Client, StdioServerParameters
+from mcp.client.stdio import stdio_client
 from mcp_types import CallToolResult
 
 from executor import mcp, services
+from executor.mcp_server import run_to_completion
 from executor.models import Agent, Step
 from executor.states import State
 from tests.support.api import AgentAuth
@@ -242,3 +245,73 @@ def test_agent_loop_example_runs_against_a_live_server(
     assert steps.count() >= 2, ended.stdout
     assert set(steps.values_list("state", flat=True)) == {State.COMPLETED}, cluster.diagnose()
     assert re.search(r"\d+ completed", ended.stdout), ended.stdout
+
+
+def test_over_http_without_a_run_step_status_and_run_report_answer_the_agents_mcp_run(
+    cluster: Cluster, web: WebServer, agent_auth: AgentAuth
+) -> None:
+    cluster.worker().start()
+    # Posted over stdio, by another process: the same run over HTTP.
+    posted = over_stdio(cluster, agent_auth.token, call("echo", {"message": "hi", "key": "k1"}))
+    assert posted.structured_content is not None
+    step_id = posted.structured_content["step_id"]
+
+    status = over_http(web, agent_auth.token, call("step_status", {"step_id": step_id}))
+    report = over_http(web, agent_auth.token, call("run_report", {}))
+
+    assert not status.is_error, text_of(status)
+    assert status.structured_content is not None
+    assert status.structured_content["state"] == "completed", cluster.diagnose()
+    assert not report.is_error, text_of(report)
+    assert report.structured_content is not None
+    run = mcp.mcp_run(agent_auth.agent)
+    assert run is not None
+    assert report.structured_content["run_id"] == str(run.pk) == posted.structured_content["run_id"]
+    assert [entry["key"] for entry in report.structured_content["completed"]] == ["k1"]
+    assert report.structured_content["message"].startswith(f"Run {run.pk}")
+
+
+def test_the_desktop_example_runs_as_written_and_says_nothing_on_stderr(tmp_path: Path) -> None:
+    """examples/mcp-desktop.json on a machine `make run` set up: the command, its arguments
+    and its env as written (the checkout's path and a token filled in). Its `var/` is this
+    test's (STEPWARD_VAR_DIR, the one variable added); the server must find the key there
+    by itself and write nothing on stderr (no broker warnings) while a call posts a step."""
+    import json
+    import subprocess
+
+    var = tmp_path / "var"
+    made = {**os.environ, "STEPWARD_VAR_DIR": str(var)}
+    for name in ("SECRET_KEY", "SECRET_KEY_FILE", "DATABASE_URL", "CELERY_BROKER_URL"):
+        made.pop(name, None)
+    subprocess.run(["make", "--no-print-directory", "secret-key"], cwd=ROOT, env=made, check=True)
+    manage = [sys.executable, str(ROOT / "manage.py")]
+    subprocess.run([*manage, "migrate", "-v0"], cwd=ROOT, env=made, check=True)
+    token = subprocess.run(
+        [*manage, "create_agent", "desk-bot", "--workspace", "demo"],
+        cwd=ROOT,
+        env=made,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.splitlines()[-1]
+
+    config = json.loads((ROOT / "examples" / "mcp-desktop.json").read_text())
+    written = config["mcpServers"]["stepward"]
+    server = StdioServerParameters(
+        command=written["command"].replace("/path/to/stepward", str(ROOT)),
+        args=[arg.replace("/path/to/stepward", str(ROOT)) for arg in written["args"]],
+        env={**written["env"], "STEPWARD_TOKEN": token, "STEPWARD_VAR_DIR": str(var)},
+    )
+    stderr = tmp_path / "stderr.txt"
+
+    async def session() -> CallToolResult:
+        with stderr.open("w") as errlog:
+            async with Client(stdio_client(server, errlog=errlog)) as client:
+                return await client.call_tool("echo", {"message": "from the desktop"})
+
+    answer = run_to_completion(session())
+
+    assert not answer.is_error, text_of(answer)
+    assert answer.structured_content is not None
+    assert answer.structured_content["state"] == "pending"  # no worker here: posted, waiting
+    assert stderr.read_text() == ""
