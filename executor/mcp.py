@@ -34,7 +34,7 @@ from executor.models import Agent, Run, RunStatus, Step, call_hash
 from executor.redaction import Redactor, redact
 from executor.schemas import storable_json, storable_text
 from executor.selectors import ToolInfo
-from executor.states import IN_FLIGHT, State
+from executor.states import IN_FLIGHT, REPORT_SECTIONS, State
 from executor.tools.base import Effect, find_tool
 
 # What the common MCP clients accept as a tool's name.
@@ -46,6 +46,8 @@ KEY_ARGUMENT = "key"
 RUN_ARGUMENT = "run"
 POLL_SECONDS = 0.2
 MAX_KEY_LENGTH = 200
+# The most steps of each section a run_report answer lists (the latest ones).
+REPORT_ENTRIES = 50
 
 # Every call of an agent that names no run goes into this run of that agent's (API.md).
 MCP_RUN_KEY = "stepward-mcp"
@@ -420,7 +422,20 @@ def run_report(session: Session, agent: Agent, arguments: dict[str, Any]) -> Ans
         )
     report = redact(selectors.run_report(run=run))
     report["run_id"] = str(run.pk)
+    # An agent's MCP run only grows: an answer lists the latest steps of each section.
+    cut = {}
+    for section in REPORT_SECTIONS:
+        entries = report[section]
+        if len(entries) > REPORT_ENTRIES:
+            cut[section] = len(entries)
+            report[section] = entries[-REPORT_ENTRIES:]
     report["message"] = f"Run {run.pk}: {report['summary']}"
+    if cut:
+        report["listed_of"] = cut
+        report["message"] += (
+            f" Each section lists its latest {REPORT_ENTRIES} steps (totals in listed_of); "
+            "ask step_status for any other."
+        )
     return Answer(structured=_jsonable(report))
 
 

@@ -261,3 +261,15 @@ def test_http_refuses_a_body_over_the_limit(api: Any, settings: Any) -> None:
     settings.API_MAX_BODY_BYTES = 100
     big = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"x": "y" * 200}}
     assert api.post("/mcp", big).status_code == 413
+
+
+def test_run_report_of_a_long_mcp_run_lists_the_latest_steps_of_each_section(
+    session: mcp.Session, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(mcp, "REPORT_ENTRIES", 3)
+    for number in range(5):
+        mcp.tools_call(session, "echo", {"message": "hi", "key": f"k{number}"})
+    report = mcp.tools_call(session, "run_report", {})
+    assert [entry["key"] for entry in report.structured["pending"]] == ["k2", "k3", "k4"]
+    assert report.structured["listed_of"] == {"pending": 5}
+    assert "latest 3 steps" in report.message
