@@ -272,6 +272,10 @@ class Gateway:
         for target in targets:
             asyncio.run_coroutine_threadsafe(start(target), loop)
 
+    def open_sessions(self) -> set[str]:
+        """The upstreams this process has a live session with now."""
+        return {name for name, session in self._sessions.items() if not session.broken}
+
     def tools_changed(self, name: str) -> bool:
         """Whether the upstream said its tools changed since it was last listed here."""
         session = self._sessions.get(name)
@@ -405,15 +409,19 @@ class Gateway:
                     f"upstream {target.name} did not answer {tool} within {timeout:g}s",
                     _evidence(session),
                 ) from None
-            if error.error.code == types.CONNECTION_CLOSED and (
-                session.broken or error.error.message == "Connection closed"
-            ):
+            if error.error.code == types.CONNECTION_CLOSED:
+                # The SDK's own code for a transport that ended (a stdio child that exited,
+                # an HTTP stream that broke): whatever the upstream did is not known.
                 await self._drop(session)
                 raise AnswerLost(
                     f"upstream {target.name} ended or dropped the connection while {tool} "
-                    "was on its way; no answer came",
+                    f"was on its way; no answer came ({error.error.message})",
                     _evidence(session),
                 ) from None
+            if error.error.code == types.INTERNAL_ERROR:
+                # Also what the SDK says when an HTTP upstream answers an error status (one
+                # restarted meanwhile no longer knows this session): start a new one next.
+                await self._drop(session)
             raise
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as error:
             await self._drop(session)

@@ -23,7 +23,7 @@ from django.urls import reverse
 from executor import engine, services
 from executor.gateway.connections import gateway
 from executor.gateway.tools import target_for
-from executor.models import Agent, McpUpstream, Run, Step
+from executor.models import Agent, Attempt, McpUpstream, Run, Step
 from executor.states import State
 from executor.tools.base import find_tool
 from executor.tools.files import read_tool_file
@@ -37,6 +37,7 @@ from tests.support.upstreams import (
     git_upstream_table,
     node_server,
     upstream,
+    wait_until,
 )
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -345,7 +346,7 @@ def everything(
             "name": "everything",
             "url": server.url,
             "trust_annotations": True,
-            "tools": {"trigger-long-running-operation": {"timeout": 2}},
+            "tools": {"trigger-long-running-operation": {"timeout": 6}},
         },
     )
     assert [listed.error for listed in report.listed] == [""]
@@ -370,7 +371,7 @@ def test_an_http_upstream_that_answers_too_late_or_dies_is_retried_not_wedged(
     everything: EverythingServer, agent: Agent, run: Run
 ) -> None:
     slow = post(
-        agent, run, "everything.trigger-long-running-operation", input={"duration": 10, "steps": 2}
+        agent, run, "everything.trigger-long-running-operation", input={"duration": 30, "steps": 2}
     )
     assert engine.process(slow.pk) == State.PENDING
     assert "did not answer" in reload(slow).attempts.get().error_message
@@ -383,6 +384,62 @@ def test_an_http_upstream_that_answers_too_late_or_dies_is_retried_not_wedged(
     everything.start()
     make_due(echo)
     assert engine.process(echo.pk) == State.COMPLETED
+
+
+@pytest.mark.npm
+def test_an_http_upstream_killed_during_a_call_is_retried_and_answers_once_back(
+    everything: EverythingServer, agent: Agent, run: Run
+) -> None:
+    step = post(
+        agent, run, "everything.trigger-long-running-operation", input={"duration": 3, "steps": 1}
+    )
+
+    def kill_once_submitted() -> None:
+        wait_until(
+            lambda: Attempt.objects.filter(step_id=step.pk, phase="submitting").exists(),
+            30,
+            "the call to be submitted",
+        )
+        everything.kill()
+
+    killer = threading.Thread(target=kill_once_submitted)
+    killer.start()
+    assert engine.process(step.pk) == State.PENDING
+    killer.join()
+    # Sent or not, a read's lost answer is simply asked again.
+    assert reload(step).attempts.get().error_class in ("unavailable", "ambiguous")
+
+    everything.start()
+    make_due(step)
+    assert engine.process(step.pk) == State.COMPLETED, [
+        (a.error_class, a.error_message) for a in reload(step).attempts.all()
+    ]
+    assert "Long running operation completed" in reload(step).result["text"]
+
+
+@pytest.mark.npm
+def test_an_npm_server_that_died_between_calls_is_started_again_and_the_write_happens_once(
+    agent: Agent, run: Run, up: Upstream, tmp_path: Path, fresh_sessions: None
+) -> None:
+    graph = tmp_path / "memory.jsonl"
+    load(
+        agent,
+        {
+            "name": "memory",
+            "command": up.command(node_server("mcp-server-memory")),
+            "env": up.env(MEMORY_FILE_PATH=str(graph)),
+            "defaults": {"approval": "never"},
+        },
+    )
+    up.kill()
+    wait_until(lambda: "memory" not in gateway().open_sessions(), 30, "the session to end")
+
+    entity = {"name": "grace", "entityType": "person", "observations": ["x"]}
+    step = post(agent, run, "memory.create_entities", input={"entities": [entity]})
+
+    assert engine.process(step.pk) == State.COMPLETED
+    assert reload(step).attempts.count() == 1
+    assert entities(graph) == ["grace"]
 
 
 @pytest.mark.npm
