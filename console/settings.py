@@ -354,7 +354,9 @@ TICKETDESK_TIMEOUT_SECONDS = float(os.environ.get("TICKETDESK_TIMEOUT_SECONDS", 
 # Unset, the broker is kombu's filesystem transport in VAR_DIR: no server needed.
 BROKER_DIR = Path(os.environ.get("STEPWARD_BROKER_DIR", VAR_DIR / "broker"))
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "filesystem://")
-if CELERY_BROKER_URL in ("filesystem://", "stepwardfs://"):
+# Any stepwardfs:// URL is the embedded broker: a worker started with this process's own
+# (stepwardfs://localhost/) must find the same one.
+if CELERY_BROKER_URL == "filesystem://" or CELERY_BROKER_URL.startswith("stepwardfs://"):
     # kombu's filesystem transport, with atomic message files (see console/broker.py).
     # With a host named, kombu does not warn "No hostname was supplied" in every process.
     CELERY_BROKER_URL = "stepwardfs://localhost/"

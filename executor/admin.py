@@ -336,6 +336,7 @@ class McpUpstreamForm(forms.ModelForm):
             "defaults",
             "tool_settings",
             "timeout_seconds",
+            "concurrency",
         ]
         help_texts = {
             "command": "stdio: the command a worker starts, as a JSON list, e.g. "
@@ -352,6 +353,8 @@ class McpUpstreamForm(forms.ModelForm):
             '["message"]}} (effect, idempotency, approval, redact, compensation, retry, '
             "timeout, external_id, description).",
             "timeout_seconds": "How long a call may take before its answer counts as lost.",
+            "concurrency": "Calls one worker process sends it at once (empty: 1 for a "
+            "command, 8 for a URL); the others wait their turn before being sent.",
         }
 
     def clean(self) -> dict[str, Any]:
@@ -364,6 +367,8 @@ class McpUpstreamForm(forms.ModelForm):
         table.setdefault("name", cleaned.get("name", ""))
         if "timeout_seconds" in cleaned:
             table["timeout"] = cleaned["timeout_seconds"]
+        if cleaned.get("concurrency") is None:
+            table.pop("concurrency", None)
         tools = {t.name for t in all_tools()}
         for problem in gateway_config.upstream_errors(table, tools=tools):
             self.add_error(None, problem)

@@ -4,8 +4,9 @@ answer an agent reads. `executor/mcp_server.py` puts them on the SDK's stdio and
 
 A key is one effect whatever the client does: every call of an agent without `run` goes into
 that agent's one MCP run (the same for every stdio process, every HTTP request, every day),
-so a `key` names the same step forever; a call without one gets a key derived from the tool
-and its arguments within MCP_DEDUP_SECONDS, so a framework's blind retry is the same step.
+so a `key` names the same step forever; a write without one gets a key derived from the tool
+and its arguments within MCP_DEDUP_SECONDS, so a framework's blind retry is the same step (a
+read without one is a new step each time: repeating it is harmless, its answer may change).
 
 Every answer is one JSON object (`Answer.structured`, with a plain-language `message`), sent
 both as structured content and as the text part, so a framework that keeps only one of them
@@ -293,12 +294,19 @@ def post_and_wait(
             raise services.Invalid(f"`{key_name}` must be a string of 1 to 200 characters")
         storable_json(arguments)
         run = call_run(agent, run_id)
-        if key is None:
+        if key is None and info.effect in (Effect.WRITE, Effect.DESTRUCTIVE):
             key = derived_key(run, info.name, arguments, now=timezone.now())
+        elif key is None:
+            # A read repeated is harmless and may answer otherwise now: a step of its own.
+            key = f"mcp-{uuid.uuid4().hex}"
         storable_text(key)
-        step, _ = services.step_post(
-            agent=agent, run=run, key=key, tool_name=info.name, input=arguments
-        )
+        earlier = earlier_step(agent, run, key, info.name, arguments) if run_id is None else None
+        if earlier is not None:
+            step = earlier
+        else:
+            step, _ = services.step_post(
+                agent=agent, run=run, key=key, tool_name=info.name, input=arguments
+            )
     except services.ServiceError as error:
         return refusal(error.code, redactor.text(f"Refused: {_refused_because(error, run_id)}"))
     except ValueError as error:
@@ -309,11 +317,6 @@ def post_and_wait(
 def _refused_because(error: services.ServiceError, run_id: Any) -> str:
     """The refusal's message, with what the agent can do about it."""
     if isinstance(error, services.Conflict) and "run is cancelled" in error.message:
-        if run_id is None:
-            return (
-                "a person cancelled this agent's MCP run, which stops its MCP calls; ask them, "
-                "or pass `run` with the id of another run of this agent"
-            )
         return f"{error.message}; pass another run, or none for this agent's MCP run"
     if isinstance(error, services.Conflict) and "another call" in error.message:
         return f"{error.message}: a key names one call; use a new key for a new call"
@@ -325,19 +328,51 @@ class NoSuchRun(services.Invalid):
 
 
 def call_run(agent: Agent, run_id: Any) -> Run:
-    """The run named by the call's `run` argument, or the agent's MCP run (made once)."""
+    """The run named by the call's `run` argument, or the agent's MCP run (made now if it
+    has none, or a new one if a person cancelled it)."""
     if run_id is not None:
         run = _visible_run(agent, run_id)
         if run is None:
             raise NoSuchRun(f"no such run: {str(run_id)[:80]}")
         return run
-    run, _ = services.run_create(agent=agent, name=MCP_RUN_NAME, key=MCP_RUN_KEY)
+    latest = mcp_run(agent)
+    if latest is not None and latest.status != RunStatus.CANCELLED:
+        return latest
+    # The first, or the next after a cancelled one: numbered, so that two calls making it
+    # at once make one (a run's key is unique per agent).
+    number = _mcp_runs(agent).count() + 1
+    run, _ = services.run_create(
+        agent=agent,
+        name=MCP_RUN_NAME if number == 1 else f"{MCP_RUN_NAME} ({number})",
+        key=MCP_RUN_KEY if number == 1 else f"{MCP_RUN_KEY}-{number}",
+    )
     return run
 
 
+def _mcp_runs(agent: Agent) -> Any:
+    return Run.objects.filter(agent=agent, key__startswith=MCP_RUN_KEY).order_by("created_at")
+
+
 def mcp_run(agent: Agent) -> Run | None:
-    """The agent's MCP run, if it has made one (nothing is created)."""
-    return Run.objects.filter(agent=agent, key=MCP_RUN_KEY).first()
+    """The agent's MCP run now (the newest), if it has made one (nothing is created)."""
+    return _mcp_runs(agent).last()
+
+
+def earlier_step(
+    agent: Agent, run: Run, key: str, tool: str, arguments: dict[str, Any]
+) -> Step | None:
+    """The step an earlier MCP run of the agent's (cancelled since) holds under this key:
+    a key names one effect across them all. Another call under that key is refused as
+    posting refuses it within a run."""
+    found = (
+        Step.objects.select_related("run")
+        .filter(run__in=_mcp_runs(agent).exclude(pk=run.pk), key=key)
+        .order_by("-created_at")
+        .first()
+    )
+    if found is not None and found.input_hash != call_hash(tool, arguments):
+        raise services.Conflict(f"step {key!r} already exists with another call")
+    return found
 
 
 def derived_key(run: Run, tool: str, arguments: dict[str, Any], *, now: datetime) -> str:

@@ -205,6 +205,8 @@ class McpUpstream(models.Model):
     defaults = models.JSONField(default=dict, blank=True)
     tool_settings = models.JSONField(default=dict, blank=True)
     timeout_seconds = models.FloatField(default=60.0)
+    # Calls one worker process sends it at once; empty: 1 for a command, 8 for a URL.
+    concurrency = models.PositiveSmallIntegerField(null=True, blank=True)
     # What a worker last listed: [{name, description, input_schema, annotations}]. Written
     # only when it changed (it is part of every listed tool's policy version).
     listed_tools = models.JSONField(default=list, blank=True)

@@ -9,6 +9,7 @@ from celery import shared_task
 from celery.signals import worker_init, worker_process_init, worker_process_shutdown
 
 from executor import dispatch, engine, faults, recovery, sweeper
+from executor.gateway.connections import gateway
 from executor.gateway.listing import upstreams_warm
 
 logger = logging.getLogger(__name__)
@@ -58,3 +59,9 @@ def warm_upstreams(**kwargs: Any) -> None:
 def send_waiting_hints(**kwargs: Any) -> None:
     # A pool process ends without running atexit: the hints it sent would wait for nothing.
     dispatch.background.flush()
+
+
+@worker_process_shutdown.connect
+def end_upstream_sessions(**kwargs: Any) -> None:
+    # Ended, not abandoned: a stdio upstream exits, an HTTP one is told the session is over.
+    gateway().close()

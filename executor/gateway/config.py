@@ -42,7 +42,9 @@ FIELDS = {
     "defaults": "defaults",
     "tools": "tool_settings",
     "timeout": "timeout_seconds",
+    "concurrency": "concurrency",
 }
+MAX_CONCURRENCY = 64
 # What an [upstream.tools.X] entry may say.
 TOOL_FIELDS = (
     "description",
@@ -119,6 +121,13 @@ def upstream_errors(table: Mapping[str, Any], *, tools: Iterable[str] = ()) -> l
             bad(word, "must be a string")
     if "trust_annotations" in table and not isinstance(table["trust_annotations"], bool):
         bad("trust_annotations", "must be true or false")
+    concurrency = table.get("concurrency", 1)
+    if (
+        isinstance(concurrency, bool)
+        or not isinstance(concurrency, int)
+        or not 1 <= concurrency <= MAX_CONCURRENCY
+    ):
+        bad("concurrency", f"must be a whole number from 1 to {MAX_CONCURRENCY}")
     if "timeout" in table and not _seconds(table["timeout"]):
         bad("timeout", f"must be seconds, more than 0 and at most {MAX_TIMEOUT:g}")
     defaults = table.get("defaults", {})
@@ -152,10 +161,12 @@ def _seconds(value: Any) -> bool:
 
 
 def _declaration_problems(values: Mapping[str, Any]) -> list[tuple[str, str]]:
-    choices = {
-        "effect": Effect.values,
+    choices: dict[str, list[str]] = {
+        # Not `pure`: an upstream is another system, and pure calls run in the claiming
+        # thread one after the other.
+        "effect": [str(Effect.READ), str(Effect.WRITE), str(Effect.DESTRUCTIVE)],
         "idempotency": list(IDEMPOTENCY),
-        "approval": ApprovalRule.values,
+        "approval": list(ApprovalRule.values),
     }
     return [
         (word, f"must be one of {', '.join(allowed)}")
@@ -229,6 +240,7 @@ def declared_fields(row: McpUpstream) -> dict[str, Any]:
         "defaults": row.defaults,
         "tools": row.tool_settings,
         "timeout": row.timeout_seconds,
+        "concurrency": row.concurrency,
         "description": row.description,
     }
 

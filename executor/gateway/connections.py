@@ -26,6 +26,7 @@ import os
 import shutil
 import sys
 import threading
+import uuid
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
@@ -48,6 +49,10 @@ CLIENT_INFO = types.Implementation(name="stepward-gateway", version="1")
 # for hung and dropped (its child process ended).
 PROBE_SECONDS = 5.0
 STDERR_TAIL_LINES = 20
+STDERR_TAIL_BYTES = 8192
+# The `_meta` key that names one call, so the HTTP transport can say which calls it never
+# delivered.
+CALL_META_KEY = "stepward/call"
 # Spare time on top of a call's own timeout before the calling thread stops waiting for
 # the event loop (which enforces the timeout itself).
 MARGIN_SECONDS = 10.0
@@ -81,6 +86,10 @@ class Target:
     url: str = ""
     headers: tuple[tuple[str, str], ...] = ()
     secrets: frozenset[str] = frozenset()
+    # Calls one process sends it at once (more wait their turn before being sent): a
+    # server that handles one call at a time would otherwise count its queue in each
+    # call's timeout.
+    concurrency: int = 1
 
     @property
     def fingerprint(self) -> str:
@@ -90,6 +99,11 @@ class Target:
 
     def describe(self) -> str:
         return self.url or " ".join(self.command)
+
+    def scrubbed(self, text: str) -> str:
+        for secret in self.secrets:
+            text = text.replace(secret, "[redacted]")
+        return text
 
 
 def resolve_command(program: str) -> str:
@@ -130,6 +144,12 @@ class _Session:
     # What the upstream said of itself when it was initialized (kept: the client cannot be
     # asked once its session has ended).
     server: dict[str, Any] = field(default_factory=dict)
+    # Calls handed to the upstream and not answered yet, and a turn for each call sent.
+    in_flight: int = 0
+    slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
+    # Calls (by their `stepward/call` id) that provably never reached the upstream's
+    # handler over HTTP: the connection was refused, or a 4xx status answered the POST.
+    unsent: dict[str, str] = field(default_factory=dict)
 
     async def run(self) -> None:
         try:
@@ -157,8 +177,11 @@ class _Session:
         target = self.target
         if target.url:
             headers = dict(target.headers)
+            transport = _Recording(httpx2.AsyncHTTPTransport(), self)
             async with (
-                httpx2.AsyncClient(headers=headers, timeout=60, follow_redirects=False) as http,
+                httpx2.AsyncClient(
+                    headers=headers, timeout=60, follow_redirects=False, transport=transport
+                ) as http,
                 streamable_http_client(target.url, http_client=http) as streams,
             ):
                 yield streams
@@ -179,7 +202,9 @@ class _Session:
         if isinstance(message, Exception):
             # A line the SDK could not read (a server that logs on stdout) or a stream that
             # hiccuped: the session goes on; one that really ended is seen by _Watched.
-            logger.warning("gateway: upstream %s: %s", self.target.name, message)
+            logger.warning(
+                "gateway: upstream %s: %s", self.target.name, self.target.scrubbed(str(message))
+            )
         elif isinstance(message, types.ToolListChangedNotification):
             self.tools_changed = True
         await anyio.lowlevel.checkpoint()
@@ -187,12 +212,47 @@ class _Session:
     def stderr_tail(self) -> list[str]:
         """The last lines the upstream wrote to its stderr (stdio only), secrets scrubbed."""
         try:
-            lines = self.log_path.read_text(errors="replace").splitlines()[-STDERR_TAIL_LINES:]
+            with self.log_path.open("rb") as log:
+                log.seek(max(0, self.log_path.stat().st_size - STDERR_TAIL_BYTES))
+                tail = log.read().decode("utf-8", errors="replace")
         except OSError:
             return []
-        for secret in self.target.secrets:
-            lines = [line.replace(secret, "[redacted]") for line in lines]
-        return lines
+        return [self.target.scrubbed(line) for line in tail.splitlines()[-STDERR_TAIL_LINES:]]
+
+
+class _Recording(httpx2.AsyncBaseTransport):
+    """An HTTP upstream's transport that notes which calls provably never reached its
+    handler: the connection was refused, or a 4xx status (an unknown session, a refused
+    request) answered their POST. Such a call was not sent, whatever the SDK then says."""
+
+    def __init__(self, inner: httpx2.AsyncBaseTransport, session: _Session) -> None:
+        self._inner = inner
+        self._session = session
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        call_id = _call_id(request)
+        try:
+            response = await self._inner.handle_async_request(request)
+        except (httpx2.ConnectError, httpx2.ConnectTimeout) as error:
+            if call_id:
+                self._session.unsent[call_id] = f"the connection was refused ({error})"
+            raise
+        if call_id and 400 <= response.status_code < 500:
+            self._session.unsent[call_id] = f"it answered HTTP {response.status_code}"
+        return response
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+def _call_id(request: httpx2.Request) -> str:
+    if request.method != "POST":
+        return ""
+    try:
+        body = json.loads(request.content or b"{}")
+        return str(body["params"]["_meta"][CALL_META_KEY])
+    except (ValueError, KeyError, TypeError):
+        return ""
 
 
 class _Watched:
@@ -225,6 +285,13 @@ class _Watched:
         return await self._tasks.__aexit__(*exc)
 
 
+@dataclass
+class _Progress:
+    """How far one call got, read by the calling thread when it stops waiting for it."""
+
+    sent: bool = False
+
+
 class Gateway:
     """The sessions of this process, on an event loop thread of its own (made again in a
     forked child, which inherits the object but not the thread)."""
@@ -240,6 +307,9 @@ class Gateway:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sessions: dict[str, _Session] = {}
         self._opening: dict[str, asyncio.Lock] = {}
+        # Per upstream: how many starts were tried, and how the last failed one failed.
+        self._starts: dict[str, int] = {}
+        self._failed: dict[str, tuple[int, Unreachable]] = {}
 
     # --- what callers use -------------------------------------------------------------------
 
@@ -254,11 +324,14 @@ class Gateway:
     ) -> tuple[types.CallToolResult, dict[str, Any]]:
         """Calls `tool`; returns its result and what is known of the upstream (its server
         info). Raises Unreachable, AnswerLost, or MCPError (an error the upstream answered)."""
-        return self._run(self._call(target, tool, arguments, timeout, meta), timeout)
+        progress = _Progress()
+        return self._run(
+            self._call(target, tool, arguments, timeout, meta, progress), timeout, progress
+        )
 
     def list_tools(self, target: Target, *, timeout: float) -> Listing:
         """Every tool the upstream lists (all pages). Raises Unreachable or AnswerLost."""
-        return self._run(self._list(target, timeout), timeout)
+        return self._run(self._list(target, timeout), timeout, _Progress(sent=True))
 
     def warm(self, targets: list[Target]) -> None:
         """Starts a session with each target in the background, so the first call finds it
@@ -296,20 +369,23 @@ class Gateway:
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(close_all(), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)
+        self._failed.clear()
 
     # --- the event loop -----------------------------------------------------------------------
 
-    def _run[T](self, work: Coroutine[Any, Any, T], timeout: float) -> T:
+    def _run[T](self, work: Coroutine[Any, Any, T], timeout: float, progress: _Progress) -> T:
+        """Runs `work` on the loop and waits for it, at most a bound past the call's own
+        timeout (waiting for a turn and a start included): never forever. A call given up on
+        before it was sent is Unreachable, one given up on after is AnswerLost."""
         future = asyncio.run_coroutine_threadsafe(work, self._event_loop())
+        bound = timeout + settings.EXECUTOR_UPSTREAM_START_SECONDS + MARGIN_SECONDS
         try:
-            return future.result(
-                timeout + settings.EXECUTOR_UPSTREAM_START_SECONDS + MARGIN_SECONDS
-            )
+            return future.result(bound)
         except TimeoutError:
             future.cancel()
-            raise AnswerLost(
-                f"no answer within {timeout:g}s (the gateway's loop is busy)"
-            ) from None
+            if progress.sent:
+                raise AnswerLost(f"no answer within {bound:g}s") from None
+            raise Unreachable(f"not sent within {bound:g}s (waiting for its turn)") from None
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         if self._pid != os.getpid():
@@ -329,40 +405,68 @@ class Gateway:
     # --- sessions -------------------------------------------------------------------------------
 
     async def _session(self, target: Target) -> _Session:
-        """The open session with `target`, started now if there is none (or it broke)."""
+        """The open session with `target`, started now if there is none (or it broke). The
+        calls that queued behind a start that failed fail at once, as it did, rather than
+        each trying again in turn; a call that comes later tries again."""
         lock = self._opening.setdefault(target.name, asyncio.Lock())
+        waiting_since = self._starts.get(target.name, 0)
         async with lock:
             session = self._sessions.get(target.name)
             if session is not None and not session.broken and session.target == target:
                 return session
             if session is not None:
                 await self._drop(session)
-            session = _Session(target=target, log_path=_log_path(target))
-            session.task = asyncio.create_task(session.run(), name=f"upstream {target.name}")
-            seconds = settings.EXECUTOR_UPSTREAM_START_SECONDS
+            failed = self._failed.get(target.name)
+            if failed is not None and failed[0] > waiting_since:
+                raise failed[1]
+            attempt = self._starts.get(target.name, 0) + 1
+            self._starts[target.name] = attempt
             try:
-                async with asyncio.timeout(seconds):
-                    await session.ready.wait()
-            except TimeoutError:
-                await self._drop(session)
-                raise Unreachable(
-                    f"upstream {target.name} did not start and answer within {seconds:g}s",
-                    _evidence(session),
-                ) from None
-            if session.broken or session.client is None:
-                await self._drop(session)
-                raise Unreachable(
-                    f"upstream {target.name} could not be started or reached: "
-                    f"{_failure_text(session.failure)}",
-                    _evidence(session),
-                )
+                session = await self._start(target)
+            except Unreachable as error:
+                self._failed[target.name] = (attempt, error)
+                raise
+            self._failed.pop(target.name, None)
             self._sessions[target.name] = session
             logger.info(
                 "gateway: connected to upstream %s (%s)",
                 target.name,
-                _server_info(session).get("name", "?"),
+                session.server.get("name", "?"),
             )
             return session
+
+    async def _start(self, target: Target) -> _Session:
+        _prune_logs(target)
+        session = _Session(
+            target=target,
+            log_path=_log_path(target),
+            slots=asyncio.Semaphore(max(1, target.concurrency)),
+        )
+        session.task = asyncio.create_task(session.run(), name=f"upstream {target.name}")
+        seconds = settings.EXECUTOR_UPSTREAM_START_SECONDS
+        try:
+            async with asyncio.timeout(seconds):
+                await session.ready.wait()
+        except TimeoutError:
+            evidence = _evidence(session)
+            await self._drop(session)
+            raise Unreachable(
+                f"upstream {target.name} did not start and answer within {seconds:g}s",
+                evidence,
+            ) from None
+        except BaseException:
+            # Given up on (the caller stopped waiting): the half-started child must go too.
+            await asyncio.shield(self._drop(session))
+            raise
+        if session.broken or session.client is None:
+            evidence = _evidence(session)
+            await self._drop(session)
+            raise Unreachable(
+                f"upstream {target.name} could not be started or reached: "
+                f"{target.scrubbed(_failure_text(session.failure))}",
+                evidence,
+            )
+        return session
 
     async def _drop(self, session: _Session) -> None:
         session.broken = True
@@ -379,6 +483,8 @@ class Gateway:
                 session.task.cancel()
         if self._sessions.get(session.target.name) is session:
             del self._sessions[session.target.name]
+        with contextlib.suppress(OSError):
+            session.log_path.unlink()
 
     async def _call(
         self,
@@ -387,66 +493,95 @@ class Gateway:
         arguments: dict[str, Any],
         timeout: float,
         meta: dict[str, Any] | None,
+        progress: _Progress,
     ) -> tuple[types.CallToolResult, dict[str, Any]]:
         session = await self._session(target)
-        client = session.client
-        assert client is not None
-        if session.broken:
-            # Died between being handed out and now: nothing has been sent yet.
-            await self._drop(session)
-            raise Unreachable(f"upstream {target.name} ended before the call was sent")
-        try:
-            result = await client.call_tool(
-                tool,
-                arguments,
-                read_timeout_seconds=timeout,
-                meta=meta,  # type: ignore[arg-type]
-            )
-        except MCPError as error:
-            if error.error.code == types.REQUEST_TIMEOUT:
-                await self._check_alive(session)
-                raise AnswerLost(
-                    f"upstream {target.name} did not answer {tool} within {timeout:g}s",
-                    _evidence(session),
-                ) from None
-            if error.error.code == types.CONNECTION_CLOSED:
-                # The SDK's own code for a transport that ended (a stdio child that exited,
-                # an HTTP stream that broke): whatever the upstream did is not known.
+        call_id = uuid.uuid4().hex
+        async with session.slots:
+            client = session.client
+            if session.broken or client is None:
+                # Died before its turn came: nothing has been sent yet.
+                await self._drop(session)
+                raise Unreachable(f"upstream {target.name} ended before the call was sent")
+            session.in_flight += 1
+            progress.sent = True
+            try:
+                result = await client.call_tool(
+                    tool,
+                    arguments,
+                    read_timeout_seconds=timeout,
+                    meta={**(meta or {}), CALL_META_KEY: call_id},  # type: ignore[arg-type]
+                )
+            except MCPError as error:
+                raise await self._call_failed(session, tool, timeout, call_id, error) from None
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as error:
+                evidence = _evidence(session)
                 await self._drop(session)
                 raise AnswerLost(
-                    f"upstream {target.name} ended or dropped the connection while {tool} "
-                    f"was on its way; no answer came ({error.error.message})",
+                    f"upstream {target.name}: the connection failed while {tool} was on its "
+                    f"way ({type(error).__name__})",
+                    evidence,
+                ) from None
+            except RuntimeError as error:
+                # An answer that did not fit its declared output schema: it came, so the
+                # call happened, but what it said is not known.
+                raise AnswerLost(
+                    f"upstream {target.name} answered {tool} with an invalid result: {error}",
                     _evidence(session),
                 ) from None
-            if error.error.code == types.INTERNAL_ERROR:
-                # Also what the SDK says when an HTTP upstream answers an error status (one
-                # restarted meanwhile no longer knows this session): start a new one next.
-                await self._drop(session)
-            raise
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as error:
-            await self._drop(session)
-            raise AnswerLost(
-                f"upstream {target.name}: the connection failed while {tool} was on its way "
-                f"({type(error).__name__})",
-                _evidence(session),
-            ) from None
-        except RuntimeError as error:
-            # An answer that did not fit its declared output schema: it came, so the call
-            # happened, but what it said is not known.
-            raise AnswerLost(
-                f"upstream {target.name} answered {tool} with an invalid result: {error}",
-                _evidence(session),
-            ) from None
+            finally:
+                session.in_flight -= 1
+                session.unsent.pop(call_id, None)
         if not isinstance(result, types.CallToolResult):
             raise AnswerLost(
                 f"upstream {target.name} answered {tool} with a result of another kind"
             )
         return result, _server_info(session)
 
+    async def _call_failed(
+        self, session: _Session, tool: str, timeout: float, call_id: str, error: MCPError
+    ) -> Exception:
+        """What a call that ended in an MCPError is: never delivered (Unreachable), no answer
+        (AnswerLost), or the upstream's own refusal (the MCPError)."""
+        target = session.target
+        code = error.error.code
+        # Read before the session may be dropped below (its stderr log goes with it).
+        evidence = _evidence(session)
+        unsent = session.unsent.get(call_id)
+        if unsent is not None:
+            # Over HTTP, refused before its handler ran: the session is no good either (an
+            # unknown session's 404, a refused connection).
+            await self._drop(session)
+            return Unreachable(
+                f"upstream {target.name}: {tool} was not delivered: {unsent}", evidence
+            )
+        if code == types.REQUEST_TIMEOUT:
+            await self._check_alive(session)
+            return AnswerLost(
+                f"upstream {target.name} did not answer {tool} within {timeout:g}s", evidence
+            )
+        if code == types.CONNECTION_CLOSED:
+            # The SDK's own code for a transport that ended (a stdio child that exited, an
+            # HTTP stream that broke): whatever the upstream did is not known.
+            await self._drop(session)
+            return AnswerLost(
+                f"upstream {target.name} ended or dropped the connection while {tool} was on "
+                f"its way; no answer came ({error.error.message})",
+                evidence,
+            )
+        if target.url and code in (types.INTERNAL_ERROR, types.INVALID_REQUEST):
+            # What the SDK says when an HTTP upstream answers an error status: a session it
+            # may no longer know. Start a new one for the next call.
+            await self._drop(session)
+        return error
+
     async def _check_alive(self, session: _Session) -> None:
         """After a timed-out call: a session that does not answer a short request is hung,
-        and goes (its child process ended). The probe is a listing: `ping` is gone from the
+        and goes (its child process ended) — unless other calls are on their way on it,
+        which its end would lose. The probe is a listing: `ping` is gone from the
         2026-07-28 protocol."""
+        if session.in_flight > 1:
+            return
         client = session.client
         try:
             assert client is not None
@@ -479,8 +614,7 @@ class Gateway:
                 f"upstream {target.name} did not list its tools within {timeout:g}s"
             ) from None
         except MCPError as error:
-            if session.broken:
-                await self._drop(session)
+            await self._drop(session)
             raise AnswerLost(
                 f"upstream {target.name} could not list its tools: {error.error.message}"
             ) from None
@@ -488,7 +622,27 @@ class Gateway:
 
 
 def _log_path(target: Target) -> Path:
-    return Path(settings.VAR_DIR) / "upstreams" / f"{target.name}.{os.getpid()}.log"
+    return _log_dir() / f"{target.name}.{os.getpid()}.log"
+
+
+def _log_dir() -> Path:
+    return Path(settings.VAR_DIR) / "upstreams"
+
+
+def _prune_logs(target: Target) -> None:
+    """Removes the stderr logs of this upstream left by processes that no longer run (a
+    worker killed before it could remove its own)."""
+    for path in _log_dir().glob(f"{target.name}.*.log"):
+        pid = path.name.removeprefix(f"{target.name}.").removesuffix(".log")
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        except OSError:
+            continue
 
 
 def _server_info(session: _Session) -> dict[str, Any]:

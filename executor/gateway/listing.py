@@ -20,7 +20,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from executor.gateway.connections import AnswerLost, Unreachable, gateway
-from executor.gateway.tools import MissingVariable, reach_refusal, row_target
+from executor.gateway.tools import MissingVariable, reach_refusal, row_target, taken_names
 from executor.models import McpUpstream
 
 MAX_PAUSE_SECONDS = 300.0
@@ -36,6 +36,8 @@ class Listed:
     error: str = ""
     # Entries of `[upstream.tools.X]` that name no tool the upstream lists.
     unknown_entries: list[str] = field(default_factory=list)
+    # Its tools whose names a tool of code or an HTTP tool holds: not registered.
+    taken: list[str] = field(default_factory=list)
 
 
 def tool_entry(tool: types.Tool) -> dict[str, Any]:
@@ -62,10 +64,11 @@ def upstream_list(row: McpUpstream, *, timeout: float | None = None) -> Listed:
             raise Unreachable(refused)
         listing = gateway().list_tools(target, timeout=seconds)
     except (MissingVariable, Unreachable, AnswerLost) as error:
-        message = str(error)[:2000]
-        McpUpstream.objects.filter(pk=row.pk).update(checked_at=now, list_error=message)
-        return Listed(upstream=row.name, error=message)
-    entries = [tool_entry(tool) for tool in listing.tools]
+        return _failed(row, str(error), now=now)
+    except Exception as error:  # noqa: BLE001 - one bad upstream must not stop the others
+        return _failed(row, f"{type(error).__name__}: {error}", now=now)
+    # In name order: a server that lists in another order each time has not changed.
+    entries = sorted((tool_entry(tool) for tool in listing.tools), key=lambda e: e["name"])
     changed = entries != row.listed_tools or listing.server != row.server_info
     fields: dict[str, Any] = {"checked_at": now, "list_error": ""}
     if changed:
@@ -75,12 +78,20 @@ def upstream_list(row: McpUpstream, *, timeout: float | None = None) -> Listed:
         row.listed_tools, row.server_info = entries, listing.server
     McpUpstream.objects.filter(pk=row.pk).update(**fields)
     names = [entry["name"] for entry in entries]
+    tools = [f"{row.name}.{name}" for name in names]
     return Listed(
         upstream=row.name,
-        tools=[f"{row.name}.{name}" for name in names],
+        tools=tools,
         changed=changed,
         unknown_entries=sorted(set(row.tool_settings) - set(names)),
+        taken=taken_names(tools),
     )
+
+
+def _failed(row: McpUpstream, message: str, *, now: Any) -> Listed:
+    message = message[:2000]
+    McpUpstream.objects.filter(pk=row.pk).update(checked_at=now, list_error=message)
+    return Listed(upstream=row.name, error=message)
 
 
 def due(row: McpUpstream, *, now: Any) -> bool:

@@ -10,6 +10,7 @@ budgets, fencing, redaction and the drill's fault points apply.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -30,6 +31,7 @@ from executor.redaction import scrub, scrub_strings
 from executor.tools import http as http_tools
 from executor.tools import outbound
 from executor.tools.base import (
+    RETRYABLE,
     FailureClass,
     Idempotency,
     Invocation,
@@ -39,9 +41,9 @@ from executor.tools.base import (
     ToolResult,
     add_source,
     check_declarations,
-    register,
+    install,
     registered,
-    unregister,
+    uninstall,
 )
 
 logger = logging.getLogger(__name__)
@@ -57,13 +59,13 @@ ERROR_WORDS: tuple[tuple[FailureClass, re.Pattern[str]], ...] = (
     (FailureClass.AMBIGUOUS, re.compile(r"timed? ?out|timeout|deadline exceeded", re.IGNORECASE)),
     (
         FailureClass.RATE_LIMITED,
-        re.compile(r"rate.?limit|too many requests|\b429\b", re.IGNORECASE),
+        re.compile(r"rate.?limit|too many requests", re.IGNORECASE),
     ),
     (
         FailureClass.PERMISSION_DENIED,
         re.compile(
             r"access denied|permission denied|not permitted|forbidden|unauthori[sz]ed|"
-            r"outside (the )?allowed|\bEACCES\b|\bEPERM\b|\b40[13]\b",
+            r"outside (the )?allowed|\bEACCES\b|\bEPERM\b",
             re.IGNORECASE,
         ),
     ),
@@ -105,6 +107,7 @@ def target_for(upstream: str, fields: Mapping[str, Any]) -> Target:
         url=rendered(fields["url"]),
         headers=tuple(sorted((k, rendered(v)) for k, v in fields["headers"].items())),
         secrets=frozenset(secrets),
+        concurrency=fields.get("concurrency") or (8 if fields["url"] else 1),
     )
 
 
@@ -128,6 +131,7 @@ def _reach(row: McpUpstream) -> dict[str, Any]:
         "env": dict(row.env),
         "url": row.url,
         "headers": dict(row.headers),
+        "concurrency": row.concurrency,
     }
 
 
@@ -137,6 +141,7 @@ def _reach(row: McpUpstream) -> dict[str, Any]:
 class UpstreamTool(Tool):
     """A tool an upstream lists; `tool_class` sets the declarations."""
 
+    defined_by = "upstream"
     upstream: ClassVar[str]
     remote_name: ClassVar[str]
     reach: ClassVar[dict[str, Any]]
@@ -237,9 +242,15 @@ class UpstreamTool(Tool):
 
 
 def classify_error_text(text: str, *, safe: bool) -> FailureClass:
-    """The failure class of an error an upstream answered (`isError`), by what it says."""
+    """The failure class of an error an upstream answered (`isError`), by what it says.
+
+    Only a tool safe to repeat is retried on the strength of a text: words are no proof
+    that a write did nothing (an upstream may act, then say "rate limit"), so for one that
+    is not, what would be retried is not."""
     for failure, words in ERROR_WORDS:
         if words.search(text):
+            if failure in RETRYABLE and not safe:
+                return FailureClass.CONFLICT
             return failure
     # It answered, so it did not simply fail to arrive; whether anything happened first is
     # the upstream's business: retried only where a repeat is safe.
@@ -267,10 +278,26 @@ def result_body(result: types.CallToolResult) -> dict[str, Any]:
     if texts:
         body["text"] = _cut("\n".join(texts), MAX_TEXT_CHARS)
     if result.structured_content is not None:
-        body["structured"] = result.structured_content
+        structured = json.dumps(result.structured_content, default=str)
+        if len(structured) > MAX_TEXT_CHARS:
+            body["structured_cut"] = f"{len(structured)} characters, not kept"
+        else:
+            body["structured"] = result.structured_content
     if other:
         body["other_content"] = other
-    return body
+    return storable(body)
+
+
+def storable(value: Any) -> Any:
+    """`value` with every NUL character replaced (a binary file read as text): PostgreSQL's
+    jsonb refuses them, and the result must be stored."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd")
+    if isinstance(value, dict):
+        return {storable(k): storable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [storable(v) for v in value]
+    return value
 
 
 def _cut(text: str, limit: int) -> str:
@@ -342,6 +369,8 @@ def refresh(*, force: bool = False) -> None:
 
 
 def _install(rows: list[McpUpstream]) -> None:
+    """Registers each listed tool, replacing in one step what changed (a reader never finds
+    a name empty); a tool of code or an HTTP tool keeps a name it shares (PRECEDENCE)."""
     wanted: dict[str, type[UpstreamTool]] = {}
     for row in rows:
         for listed in row.listed_tools:
@@ -350,19 +379,36 @@ def _install(rows: list[McpUpstream]) -> None:
             except (RegistrationError, KeyError, TypeError, ValueError) as error:
                 logger.warning("gateway: upstream %s: tool not registered: %s", row.name, error)
                 continue
-            existing = registered(cls.name)
-            if existing is not None and not isinstance(existing, UpstreamTool):
-                # A tool of code or an HTTP tool has the name: it wins.
-                logger.warning("gateway: %s is another tool's name; not registered", cls.name)
-                continue
             wanted[cls.name] = cls
     for name in _mine - set(wanted):
-        unregister(name)
+        uninstall(name, UpstreamTool.defined_by)
     _mine.intersection_update(wanted)
     for name, cls in wanted.items():
-        unregister(name)
-        register(cls)
-        _mine.add(name)
+        current = registered(name)
+        if isinstance(current, UpstreamTool) and _same(type(current), cls):
+            continue
+        if install(cls):
+            _mine.add(name)
+        else:
+            logger.warning("gateway: %s is another tool's name; not registered", name)
+
+
+def _same(registered_class: type[UpstreamTool], cls: type[UpstreamTool]) -> bool:
+    return (
+        registered_class.policy_version() == cls.policy_version()
+        and registered_class.description == cls.description
+        and registered_class.reach == cls.reach
+    )
+
+
+def taken_names(names: list[str]) -> list[str]:
+    """Which of these tool names a tool of code or an HTTP tool holds (they keep them)."""
+    taken = []
+    for name in names:
+        tool = registered(name)
+        if tool is not None and tool.defined_by != UpstreamTool.defined_by:
+            taken.append(name)
+    return taken
 
 
 def upstream_tool_names() -> set[str]:

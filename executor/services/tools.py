@@ -84,7 +84,8 @@ def tools_load(
     Every table is checked first (its fields, its hosts against EXECUTOR_HTTP_ALLOWED_HOSTS,
     its schema, its compensation): any problem raises Invalid listing every one, each naming
     the tool or upstream and the field, and nothing is written. `prune` removes the HTTP
-    tools and upstreams the file does not name; `check` only says what loading would do. An
+    tools (when the file holds any) and the upstreams (when it holds any) that it does not
+    name; `check` only says what loading would do. An
     edited tool or upstream gets a new policy version, so approvals of its earlier version
     no longer authorize anything. With `connect`, each loaded upstream is asked for its
     tools at once (from this process: a worker asks again at its next sweep, and where this
@@ -92,7 +93,7 @@ def tools_load(
     """
     existing = {spec.name: spec for spec in HttpToolSpec.objects.all()}
     existing_upstreams = {row.name: row for row in McpUpstream.objects.all()}
-    in_code = http_tools.python_tool_names() - upstream_tools.upstream_tool_names()
+    in_code = http_tools.python_tool_names()
     names = [t.get("name") for t in tables]
     upstream_names = [t.get("name") for t in upstreams]
     known = (
@@ -107,6 +108,8 @@ def tools_load(
         name = table.get("name")
         if name in in_code:
             problems.append(f"tool {name}: field 'name': a tool of that name is defined in code")
+        elif name in upstream_tools.upstream_tool_names():
+            problems.append(f"tool {name}: field 'name': an MCP upstream lists a tool of that name")
         if isinstance(name, str) and names.count(name) > 1:
             problems.append(f"tool {name}: field 'name': the file defines it more than once")
     for table in upstreams:
@@ -141,8 +144,11 @@ def tools_load(
             report.upstreams_updated.append(name)
         else:
             report.upstreams_unchanged.append(name)
-    if prune:
+    # A file prunes the kinds it holds: one of HTTP tools leaves the upstreams alone, and
+    # one of upstreams the HTTP tools.
+    if prune and tables:
         report.removed = sorted(set(existing) - set(fresh))
+    if prune and upstreams:
         report.upstreams_removed = sorted(set(existing_upstreams) - set(fresh_upstreams))
     for listed in (
         report.created,

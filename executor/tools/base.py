@@ -200,6 +200,9 @@ class Tool:
     # matches; "" accepts any): a person's "it happened" must name one of that form.
     external_id_pattern: ClassVar[str] = ""
     external_id_example: ClassVar[str] = ""
+    # Where the tool is defined: code ("code"), an HTTP tool's row ("http"), an MCP
+    # upstream's listing ("upstream"). Of several that take one name, PRECEDENCE decides.
+    defined_by: ClassVar[str] = "code"
 
     REQUIRED: ClassVar[tuple[str, ...]] = (
         "name",
@@ -420,6 +423,36 @@ def register[T: type[Tool]](cls: T) -> T:
 def unregister(name: str) -> None:
     with _lock:
         _registry.pop(name, None)
+
+
+# Which kind of tool keeps a name that several define (a tool of code, then an HTTP tool,
+# then an MCP upstream's): fixed, whatever each process happened to load first.
+PRECEDENCE = ("code", "http", "upstream")
+
+
+def _rank(tool: type[Tool] | Tool) -> int:
+    return PRECEDENCE.index(tool.defined_by)
+
+
+def install(cls: type[Tool]) -> bool:
+    """Registers a tool defined as data under its name, replacing in one step (a reader
+    never finds the name empty) one of its own kind or of a kind that yields to it. False,
+    and nothing changed, when the name is held by a kind that outranks it."""
+    check_declarations(cls)
+    with _lock:
+        existing = _registry.get(cls.name)
+        if existing is not None and _rank(existing) < _rank(cls):
+            return False
+        _registry[cls.name] = cls()
+    return True
+
+
+def uninstall(name: str, defined_by: str) -> None:
+    """Unregisters `name` if a tool of that kind holds it (not one that took it over)."""
+    with _lock:
+        existing = _registry.get(name)
+        if existing is not None and existing.defined_by == defined_by:
+            del _registry[name]
 
 
 def add_source(refresh: Callable[[], None]) -> None:

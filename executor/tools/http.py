@@ -46,9 +46,8 @@ from executor.tools.base import (
     add_source,
     all_tools,
     check_declarations,
-    register,
-    registered,
-    unregister,
+    install,
+    uninstall,
 )
 
 ENV_PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -207,6 +206,7 @@ class HttpTool(Tool):
     """A tool made from an HttpToolSpec; `tool_class` sets the declarations."""
 
     spec: ClassVar[HttpToolSpec]
+    defined_by = "http"
 
     @classmethod
     def declared_extra(cls) -> dict[str, Any]:
@@ -454,25 +454,22 @@ def refresh(*, force: bool = False) -> None:
 def _install(specs: list[HttpToolSpec]) -> None:
     wanted = {spec.name for spec in specs}
     for name in _mine - wanted:
-        unregister(name)
+        uninstall(name, HttpTool.defined_by)
     _mine.intersection_update(wanted)
     for spec in specs:
-        existing = registered(spec.name)
-        if existing is not None and not isinstance(existing, HttpTool):
-            # A Python tool has the name: it wins, and load_tools refuses such a file.
-            continue
         try:
             cls = tool_class(spec)
         except (RegistrationError, TypeError, ValueError):
             continue  # admin and load_tools check specs; a bad row registers nothing
-        unregister(spec.name)
-        register(cls)
-        _mine.add(spec.name)
+        # A tool of code with the name wins (load_tools refuses such a file); one of an
+        # upstream yields.
+        if install(cls):
+            _mine.add(spec.name)
 
 
 def python_tool_names() -> set[str]:
-    """Tools registered by code, not from HttpToolSpec rows."""
-    return {tool.name for tool in all_tools() if not isinstance(tool, HttpTool)}
+    """Tools registered by code, not defined as data (HTTP tools, MCP upstreams')."""
+    return {tool.name for tool in all_tools() if tool.defined_by == "code"}
 
 
 add_source(refresh)

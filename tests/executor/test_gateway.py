@@ -8,6 +8,7 @@ exit at start or hang, and counts the commits in the repository: never a second 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -21,7 +22,7 @@ from django.test import Client
 from django.urls import reverse
 
 from executor import engine, services
-from executor.gateway.connections import gateway
+from executor.gateway.connections import Unreachable, gateway
 from executor.gateway.tools import target_for
 from executor.models import Agent, Attempt, McpUpstream, Run, Step
 from executor.states import State
@@ -56,9 +57,11 @@ def repo(tmp_path: Path, up: Upstream) -> GitRepo:
 
 
 @pytest.fixture
-def fresh_sessions(settings: Any) -> Iterator[None]:
-    """Each test starts its upstreams anew and ends them (they are per process)."""
+def fresh_sessions(settings: Any, tmp_path: Path) -> Iterator[None]:
+    """Each test starts its upstreams anew and ends them (they are per process); their
+    stderr logs go to the test's own folder."""
     settings.EXECUTOR_UPSTREAM_START_SECONDS = 15
+    settings.VAR_DIR = tmp_path / "var"
     gateway().close()
     yield
     gateway().close()
@@ -346,6 +349,7 @@ def everything(
             "name": "everything",
             "url": server.url,
             "trust_annotations": True,
+            "defaults": {"approval": "never"},
             "tools": {"trigger-long-running-operation": {"timeout": 6}},
         },
     )
@@ -554,3 +558,69 @@ def test_a_forked_child_opens_sessions_of_its_own(
     _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert gateway().list_tools(target, timeout=20).tools  # the parent's still works
+
+
+def test_calls_queued_behind_a_hung_start_are_all_unsent_and_leave_no_process(
+    up: Upstream, repo: GitRepo, settings: Any, fresh_sessions: None
+) -> None:
+    settings.EXECUTOR_UPSTREAM_START_SECONDS = 2
+    up.set("hang")
+    table = {**git_upstream_table(up, repo), "cwd": "", "url": "", "headers": {}}
+    target = target_for("git", table)
+    outcomes: list[BaseException | None] = []
+
+    def call() -> None:
+        try:
+            gateway().call(target, "git_commit", {"repo_path": "x", "message": "m"}, timeout=1)
+            outcomes.append(None)
+        except BaseException as error:  # noqa: BLE001 - what each call ended with is the point
+            outcomes.append(error)
+
+    threads = [threading.Thread(target=call) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    # Nothing was sent, so none of them may pass for a lost answer (a write would go to a
+    # person for a call that never ran); one start was tried for them all.
+    assert [type(outcome) for outcome in outcomes] == [Unreachable] * 6
+    hung = up.pid()
+    wait_until(lambda: not alive(hung), 30, "the hung upstream to be ended")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie of an ended child counts as gone.
+    with contextlib.suppress(OSError):
+        return "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    return False
+
+
+@pytest.mark.npm
+def test_a_write_to_an_http_upstream_that_restarted_or_is_down_is_unsent_not_unknown(
+    everything: EverythingServer, agent: Agent, run: Run
+) -> None:
+    # toggle-simulated-logging is a write that is not idempotent (its annotations say so).
+    first = post(agent, run, "everything.toggle-simulated-logging", input={})
+    assert engine.process(first.pk) == State.COMPLETED
+
+    everything.kill()
+    everything.start()  # same port, a new process: it knows nothing of our session
+    after_restart = post(agent, run, "everything.toggle-simulated-logging", input={})
+    assert engine.process(after_restart.pk) == State.PENDING
+    attempt = reload(after_restart).attempts.get()
+    assert attempt.error_class == "unavailable", attempt.error_message
+    assert "was not delivered" in attempt.error_message
+
+    everything.kill()
+    while_down = post(agent, run, "everything.toggle-simulated-logging", input={})
+    assert engine.process(while_down.pk) == State.PENDING
+    assert reload(while_down).attempts.get().error_class == "unavailable"
+
+    everything.start()
+    make_due(after_restart)
+    assert engine.process(after_restart.pk) == State.COMPLETED

@@ -7,16 +7,26 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import mcp_types as types
 import pytest
 from django.utils import timezone
 
 from executor import services
 from executor.gateway import config
 from executor.gateway.listing import due
-from executor.gateway.tools import classify_error_text, tool_class
-from executor.models import McpUpstream
-from executor.tools.base import ApprovalRule, Effect, FailureClass, RegistrationError
+from executor.gateway.tools import MAX_TEXT_CHARS, classify_error_text, result_body, tool_class
+from executor.models import HttpToolSpec, McpUpstream
+from executor.tools.base import (
+    ApprovalRule,
+    Effect,
+    FailureClass,
+    RegistrationError,
+    find_tool,
+    install,
+    uninstall,
+)
 from executor.tools.files import ToolFileError, read_tool_file
+from executor.tools.http import tool_class as http_tool_class
 
 GIT = {"name": "git", "command": ["mcp-server-git", "--repository", "/srv/repo"]}
 COMMIT = {
@@ -67,6 +77,8 @@ def test_the_apis_example_table_loads() -> None:
         ({"headers": {"X": "y"}}, "only an upstream reached by url sends headers"),
         ({"env": {"bad name": "x"}}, "field 'env': must be a table of variable names"),
         ({"timeout": 0}, "field 'timeout': must be seconds"),
+        ({"concurrency": 0}, "field 'concurrency': must be a whole number from 1"),
+        ({"defaults": {"effect": "pure"}}, "field 'defaults.effect': must be one of read"),
         ({"defaults": {"effect": "risky"}}, "field 'defaults.effect': must be one of"),
         ({"defaults": {"colour": "red"}}, "field 'defaults.colour': unknown"),
         ({"tools": {"git_commit": {"approval": "maybe"}}}, "'tools.git_commit.approval'"),
@@ -214,7 +226,10 @@ def test_a_tool_that_cannot_be_a_stepward_tool_is_not_registered(listed: dict[st
             True,
             FailureClass.PERMISSION_DENIED,
         ),
-        ("API rate limit exceeded, retry later", False, FailureClass.RATE_LIMITED),
+        # Words are no proof that a write did nothing: only a safe tool is retried on them.
+        ("API rate limit exceeded, retry later", True, FailureClass.RATE_LIMITED),
+        ("API rate limit exceeded, retry later", False, FailureClass.CONFLICT),
+        ("issue #429 is closed", False, FailureClass.CONFLICT),
         ("Error executing tool git_commit: No changes staged", False, FailureClass.CONFLICT),
         ("upstream request timed out after 30s", False, FailureClass.AMBIGUOUS),
         ("something went wrong", True, FailureClass.TRANSIENT),
@@ -256,7 +271,7 @@ def test_loading_a_bad_upstream_writes_nothing_and_names_every_problem() -> None
 
 
 @pytest.mark.django_db
-def test_check_and_prune_apply_to_upstreams(tmp_path: Path) -> None:
+def test_check_and_prune_apply_to_upstreams(tmp_path: Path, settings: Any) -> None:
     table = {"name": "ghost", "command": [str(tmp_path / "no-such-server")]}
     checked = services.tools_load(tables=[], upstreams=[table], check=True)
     assert checked.upstreams_created == ["ghost"]
@@ -269,9 +284,19 @@ def test_check_and_prune_apply_to_upstreams(tmp_path: Path) -> None:
     again = services.tools_load(tables=[], upstreams=[table], connect=False)
     assert again.upstreams_unchanged == ["ghost"]
 
-    pruned = services.tools_load(tables=[], upstreams=[], prune=True)
+    # A file of HTTP tools prunes HTTP tools only: the upstream stays.
+    desk_echo = {"name": "desk.echo", "effect": "read", "url": "http://127.0.0.1:9/echo"}
+    settings.EXECUTOR_HTTP_ALLOWED_HOSTS = ["127.0.0.1:9"]
+    only_tools = services.tools_load(tables=[desk_echo], prune=True)
+    assert only_tools.upstreams_removed == []
+    assert McpUpstream.objects.filter(name="ghost").exists()
+    # A file of upstreams prunes the upstreams it does not name, and no HTTP tool.
+    other = {"name": "other", "command": [str(tmp_path / "no-such-server")]}
+    pruned = services.tools_load(tables=[], upstreams=[other], prune=True, connect=False)
     assert pruned.upstreams_removed == ["ghost"]
-    assert not McpUpstream.objects.exists()
+    assert pruned.removed == []
+    assert list(McpUpstream.objects.values_list("name", flat=True)) == ["other"]
+    assert HttpToolSpec.objects.filter(name="desk.echo").exists()
 
 
 def test_an_upstream_that_keeps_failing_to_list_is_asked_less_and_less_often() -> None:
@@ -286,3 +311,36 @@ def test_an_upstream_that_keeps_failing_to_list_is_asked_less_and_less_often() -
     )
     assert not due(never, now=now + timedelta(seconds=200))
     assert due(never, now=now + timedelta(seconds=300))  # the pause stops growing at 5 minutes
+
+
+@pytest.mark.django_db
+def test_of_an_http_tool_and_an_upstreams_tool_of_one_name_the_http_tool_keeps_it() -> None:
+    spec = HttpToolSpec(name="git.git_commit", effect="write", url="http://127.0.0.1:9/x")
+    http_class = http_tool_class(spec)
+    upstream_class = tool_class(row(), COMMIT)
+    try:
+        # Whichever a process loads first, the HTTP tool ends up holding the name.
+        assert install(upstream_class)
+        assert install(http_class)
+        assert not install(upstream_class)
+        assert isinstance(find_tool("git.git_commit"), http_class)
+        uninstall("git.git_commit", "upstream")  # the upstream's own clean-up leaves it
+        assert isinstance(find_tool("git.git_commit"), http_class)
+    finally:
+        uninstall("git.git_commit", "http")
+        uninstall("git.git_commit", "upstream")
+
+
+def test_a_result_keeps_its_text_and_structured_content_storable_and_bounded() -> None:
+    result = types.CallToolResult(
+        content=[
+            types.TextContent(type="text", text="binary \x00 inside"),
+            types.ImageContent(type="image", data="aGk=", mime_type="image/png"),
+        ],
+        structured_content={"big": "x" * (MAX_TEXT_CHARS + 1)},
+    )
+    body = result_body(result)
+    assert body["text"] == "binary \ufffd inside"
+    assert "structured" not in body
+    assert body["structured_cut"].endswith("characters, not kept")
+    assert body["other_content"] == [{"type": "image", "mime_type": "image/png"}]

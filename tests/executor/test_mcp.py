@@ -146,34 +146,47 @@ def test_the_same_key_is_the_same_step_and_another_call_under_it_is_refused(
     assert Run.objects.filter(key=mcp.MCP_RUN_KEY).count() == 1
 
 
-def test_calls_without_a_key_are_one_step_for_the_same_call_within_the_window(
+def test_writes_without_a_key_are_one_step_for_the_same_call_within_the_window(
     session: mcp.Session, settings: Any
 ) -> None:
     settings.MCP_DEDUP_SECONDS = 600
-    first = mcp.tools_call(session, "echo", {"message": "a"})
-    retry = mcp.tools_call(mcp.Session(session.agent), "echo", {"message": "a"})
-    other = mcp.tools_call(session, "echo", {"message": "b"})
+    first = mcp.tools_call(session, "ticketdesk_create", {"title": "a"})
+    retry = mcp.tools_call(mcp.Session(session.agent), "ticketdesk_create", {"title": "a"})
+    other = mcp.tools_call(session, "ticketdesk_create", {"title": "b"})
     assert first.structured["step_id"] == retry.structured["step_id"]
     assert other.structured["step_id"] != first.structured["step_id"]
     assert Step.objects.count() == 2
 
 
-def test_a_derived_key_holds_across_the_edge_of_its_window_and_no_longer(
+def test_reads_without_a_key_are_a_new_step_each_time(session: mcp.Session) -> None:
+    # Repeating a read is harmless, and its answer may have changed (a status after a write).
+    first = mcp.tools_call(session, "echo", {"message": "a"})
+    again = mcp.tools_call(session, "echo", {"message": "a"})
+    assert first.structured["step_id"] != again.structured["step_id"]
+
+
+def test_a_derived_key_holds_for_the_window_from_the_first_call_and_no_longer(
     run: Run, settings: Any
 ) -> None:
     settings.MCP_DEDUP_SECONDS = 600
     edge = timezone.now().replace(microsecond=0)
     edge -= timedelta(seconds=int(edge.timestamp()) % 600)  # where a window starts
-    before = mcp.derived_key(run, "echo", {"m": 1}, now=edge - timedelta(seconds=1))
-    services.step_post(agent=run.agent, run=run, key=before, tool_name="echo", input={"m": 1})
-    Step.objects.filter(key=before).update(created_at=edge - timedelta(seconds=1))
-    # One second later, in the next window: still the same call.
-    assert mcp.derived_key(run, "echo", {"m": 1}, now=edge) == before
+    first_at = edge - timedelta(seconds=1)
+    call = {"title": "x"}
+    before = mcp.derived_key(run, "ticketdesk.create", call, now=first_at)
+    services.step_post(
+        agent=run.agent, run=run, key=before, tool_name="ticketdesk.create", input=call
+    )
+    Step.objects.filter(key=before).update(created_at=first_at)
+    # In the next window, but less than a window after the first call: the same call.
+    assert mcp.derived_key(run, "ticketdesk.create", call, now=edge) == before
+    late = edge + timedelta(seconds=598)
+    assert mcp.derived_key(run, "ticketdesk.create", call, now=late) == before
     # Other arguments are another call.
-    assert mcp.derived_key(run, "echo", {"m": 2}, now=edge) != before
-    # A window after the first call, it is a new one.
-    later = mcp.derived_key(run, "echo", {"m": 1}, now=edge + timedelta(seconds=600))
-    assert later != before
+    assert mcp.derived_key(run, "ticketdesk.create", {"title": "y"}, now=edge) != before
+    # A window after the first call, in the same window number: a new one.
+    just_over = edge + timedelta(seconds=599.5)
+    assert mcp.derived_key(run, "ticketdesk.create", call, now=just_over) != before
 
 
 def test_without_a_window_every_call_without_a_key_is_a_new_step(
@@ -185,20 +198,32 @@ def test_without_a_window_every_call_without_a_key_is_a_new_step(
     assert Step.objects.count() == 2
 
 
-def test_a_cancelled_mcp_run_refuses_new_calls_and_says_what_to_do(
+def test_after_a_person_cancels_the_mcp_run_calls_go_to_a_new_one_and_keys_still_hold(
     session: mcp.Session,
 ) -> None:
-    done = mcp.tools_call(session, "echo", {"message": "a", "key": "before"})
-    run = mcp.mcp_run(session.agent)
-    assert run is not None
-    services.run_cancel(run=run, actor="user:alice", reason="stop")
-    refused = mcp.tools_call(session, "echo", {"message": "b", "key": "after"})
-    assert refused.is_error
-    assert "cancelled this agent's MCP run" in refused.message
-    assert_readable_by_every_framework(refused)
-    # The step already posted is still answered under its key.
-    again = mcp.tools_call(session, "echo", {"message": "a", "key": "before"})
+    done = mcp.tools_call(session, "ticketdesk_create", {"title": "a", "key": "before"})
+    first = mcp.mcp_run(session.agent)
+    assert first is not None
+    services.run_cancel(run=first, actor="user:alice", reason="stop what it queued")
+
+    again = mcp.tools_call(session, "ticketdesk_create", {"title": "a", "key": "before"})
+    other = mcp.tools_call(session, "ticketdesk_create", {"title": "b", "key": "before"})
+    new = mcp.tools_call(session, "ticketdesk_create", {"title": "c", "key": "after"})
+
+    # The key still names the step of the cancelled run (now cancelled: it did not run)...
     assert again.structured["step_id"] == done.structured["step_id"]
+    assert again.structured["state"] == "cancelled"
+    # ...another call under it is refused...
+    assert other.is_error
+    assert other.structured["error"] == "conflict"
+    # ...and a new key goes into a new MCP run, which the report now answers.
+    second = mcp.mcp_run(session.agent)
+    assert second is not None
+    assert second.pk != first.pk
+    assert new.structured["run_id"] == str(second.pk)
+    assert Step.objects.filter(key="before").count() == 1
+    report = mcp.tools_call(session, "run_report", {})
+    assert report.structured["run_id"] == str(second.pk)
 
 
 @pytest.mark.parametrize(

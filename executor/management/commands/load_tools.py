@@ -17,7 +17,7 @@ class Command(BaseCommand):
         "Creates or updates the HTTP tools ([[tool]] tables) and MCP upstreams ([[upstream]] "
         "tables) of a TOML file (API.md), all or nothing, and asks each upstream for its "
         "tools. --check validates and says what would change, writing nothing; --prune also "
-        "removes the HTTP tools and upstreams the file does not name."
+        "removes the HTTP tools and upstreams the file does not name (of the kinds it holds)."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -26,7 +26,8 @@ class Command(BaseCommand):
         parser.add_argument(
             "--prune",
             action="store_true",
-            help="remove HTTP tools and upstreams the file does not name",
+            help="remove the HTTP tools (if the file has [[tool]]s) and the upstreams (if it "
+            "has [[upstream]]s) the file does not name",
         )
         parser.add_argument(
             "--no-connect",
@@ -81,6 +82,13 @@ class Command(BaseCommand):
                 f"upstream {listed.upstream}: {len(listed.tools)} tool(s): "
                 f"{', '.join(listed.tools) or 'none'}"
             )
+            for name in listed.taken:
+                self.stdout.write(
+                    self.style.WARNING(
+                        f"upstream {listed.upstream}: {name} is the name of another tool, "
+                        "which keeps it: not registered"
+                    )
+                )
             for entry in listed.unknown_entries:
                 self.stdout.write(
                     self.style.WARNING(
