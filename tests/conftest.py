@@ -11,8 +11,10 @@ from django.core.cache import caches
 from django.core.cache.backends.locmem import LocMemCache
 
 from executor import dispatch, services
+from executor.gateway.connections import gateway
 from executor.models import Agent, Workspace
 from tests.support.api import AgentAuth, ApiClient
+from tests.support.upstreams import GitRepo, Upstream, git_repo, upstream
 
 os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # live_server + Playwright
 
@@ -107,3 +109,30 @@ def _no_broker_messages(request: pytest.FixtureRequest) -> Any:
 
     with dispatch.publishing(dispatch.dropping_publisher):
         yield
+
+
+# --- real MCP upstreams (tests/support/upstreams.py) -----------------------------------------
+
+
+@pytest.fixture
+def up(tmp_path: Any) -> Upstream:
+    """A real upstream's launcher, which a test can make down or hang, and kill."""
+    return upstream(tmp_path)
+
+
+@pytest.fixture
+def repo(tmp_path: Any, up: Upstream) -> GitRepo:
+    """A repository where every git_commit is one commit (see tests/support/upstreams.py)."""
+    return git_repo(tmp_path, up.state)
+
+
+@pytest.fixture
+def fresh_sessions(settings: Any, tmp_path: Any) -> Any:
+    """This process's upstream sessions started anew for the test and ended after it
+    (they are per process, the live server's threads included); their stderr logs go to
+    the test's own folder."""
+    settings.EXECUTOR_UPSTREAM_START_SECONDS = 15
+    settings.VAR_DIR = tmp_path / "var"
+    gateway().close()
+    yield
+    gateway().close()

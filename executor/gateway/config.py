@@ -98,24 +98,16 @@ def upstream_errors(table: Mapping[str, Any], *, tools: Iterable[str] = ()) -> l
             f"upstream {name}: field 'url': {problem}"
             for problem in http_tools.url_problems(table["url"])
         )
-    if "headers" in table:
-        headers = table["headers"]
-        if not has_url:
-            bad("headers", "only an upstream reached by url sends headers")
-        elif not isinstance(headers, dict) or not all(
-            isinstance(k, str) and HEADER_NAME.fullmatch(k) and isinstance(v, str)
-            for k, v in headers.items()
-        ):
-            bad("headers", "must be a table of header names to strings")
-    if "env" in table:
-        env = table["env"]
-        if not has_command:
-            bad("env", "only an upstream started by command has an environment")
-        elif not isinstance(env, dict) or not all(
-            isinstance(k, str) and ENV_NAME.fullmatch(k) and isinstance(v, str)
-            for k, v in env.items()
-        ):
-            bad("env", "must be a table of variable names to strings")
+    for word, names, needs, kind, what in (
+        ("headers", HEADER_NAME, has_url, "header names", "reached by url sends headers"),
+        ("env", ENV_NAME, has_command, "variable names", "started by command has an environment"),
+    ):
+        if word not in table:
+            continue
+        if not needs:
+            bad(word, f"only an upstream {what}")
+        elif not _string_table(table[word], names):
+            bad(word, f"must be a table of {kind} to strings")
     for word in ("description", "cwd"):
         if word in table and not isinstance(table[word], str):
             bad(word, "must be a string")
@@ -152,6 +144,12 @@ def upstream_errors(table: Mapping[str, Any], *, tools: Iterable[str] = ()) -> l
                 for where, problem in _tool_entry_problems(entry, name, known)
             )
     return errors
+
+
+def _string_table(value: Any, names: re.Pattern[str]) -> bool:
+    return isinstance(value, dict) and all(
+        isinstance(k, str) and names.fullmatch(k) and isinstance(v, str) for k, v in value.items()
+    )
 
 
 def _seconds(value: Any) -> bool:

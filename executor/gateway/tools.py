@@ -13,15 +13,10 @@ from __future__ import annotations
 import json
 import logging
 import re
-import threading
-import time
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import mcp_types as types
-from django.conf import settings
-from django.db import DatabaseError
-from django.db.models import Count, Max
 from mcp.shared.exceptions import MCPError
 
 from executor.gateway import config
@@ -45,6 +40,7 @@ from executor.tools.base import (
     registered,
     uninstall,
 )
+from executor.tools.rows import RowSource
 
 logger = logging.getLogger(__name__)
 
@@ -341,31 +337,13 @@ def tool_class(row: McpUpstream, listed: Mapping[str, Any]) -> type[UpstreamTool
 
 # --- registration ------------------------------------------------------------------------------
 
-_lock = threading.Lock()
-_generation: tuple[int, Any] | None = None
-_checked_at = 0.0
 _mine: set[str] = set()
 
 
 def refresh(*, force: bool = False) -> None:
     """Registers the upstreams' tools as the database lists them now, when that changed
     (asked at most every EXECUTOR_TOOL_REFRESH_SECONDS unless forced)."""
-    global _generation, _checked_at
-    now = time.monotonic()
-    if not force and now - _checked_at < settings.EXECUTOR_TOOL_REFRESH_SECONDS:
-        return
-    with _lock:
-        _checked_at = now
-        try:
-            row = McpUpstream.objects.aggregate(n=Count("pk"), latest=Max("updated_at"))
-            generation = (row["n"], row["latest"])
-            if generation == _generation and not force:
-                return
-            rows = list(McpUpstream.objects.all())
-        except (DatabaseError, RuntimeError):
-            return  # not migrated yet, or no database here: keep what is registered
-        _install(rows)
-        _generation = generation
+    _rows.refresh(force=force)
 
 
 def _install(rows: list[McpUpstream]) -> None:
@@ -415,4 +393,5 @@ def upstream_tool_names() -> set[str]:
     return set(_mine)
 
 
+_rows = RowSource(McpUpstream, _install)
 add_source(refresh)

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import os
 import re
-import threading
-import time
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 from urllib.parse import quote, urlsplit
@@ -24,8 +22,6 @@ from urllib.parse import quote, urlsplit
 import httpx
 import jsonschema
 from django.conf import settings
-from django.db import DatabaseError
-from django.db.models import Count, Max
 
 from executor.models import HttpToolSpec
 from executor.redaction import scrub, scrub_strings
@@ -49,6 +45,7 @@ from executor.tools.base import (
     install,
     uninstall,
 )
+from executor.tools.rows import RowSource
 
 ENV_PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 INPUT_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -422,33 +419,13 @@ def tool_class(spec: HttpToolSpec) -> type[HttpTool]:
 
 # --- registration -------------------------------------------------------------------------------
 
-_lock = threading.Lock()
-_generation: tuple[int, Any] | None = None
-_checked_at = 0.0
 _mine: set[str] = set()
 
 
 def refresh(*, force: bool = False) -> None:
     """Registers the HTTP tools as the database has them now, when they changed (asked at
     most every EXECUTOR_TOOL_REFRESH_SECONDS unless forced)."""
-    global _generation, _checked_at
-    now = time.monotonic()
-    if not force and now - _checked_at < settings.EXECUTOR_TOOL_REFRESH_SECONDS:
-        return
-    with _lock:
-        _checked_at = now
-        try:
-            row = HttpToolSpec.objects.aggregate(n=Count("pk"), latest=Max("updated_at"))
-            generation = (row["n"], row["latest"])
-            if generation == _generation and not force:
-                return
-            specs = list(HttpToolSpec.objects.all())
-        except (DatabaseError, RuntimeError):
-            # Not migrated yet, no database here, or none allowed (a test without one): the
-            # registry keeps what it had, and code's tools are unaffected.
-            return
-        _install(specs)
-        _generation = generation
+    _rows.refresh(force=force)
 
 
 def _install(specs: list[HttpToolSpec]) -> None:
@@ -472,4 +449,5 @@ def python_tool_names() -> set[str]:
     return {tool.name for tool in all_tools() if tool.defined_by == "code"}
 
 
+_rows = RowSource(HttpToolSpec, _install)
 add_source(refresh)

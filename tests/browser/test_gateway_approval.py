@@ -9,8 +9,6 @@ the repository is the test's own, so its commits are what the external system sa
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +16,6 @@ from django.contrib.auth.models import User
 from playwright.sync_api import Page, expect
 
 from executor import engine, selectors, services
-from executor.gateway.connections import gateway
 from executor.models import Agent, Approval, Run
 from executor.states import State
 from tests.support.browser import (
@@ -32,31 +29,11 @@ from tests.support.browser import (
     post,
 )
 from tests.support.tooling import run_every_automatic_path
-from tests.support.upstreams import GitRepo, Upstream, git_repo, git_upstream_table, upstream
+from tests.support.upstreams import GitRepo, Upstream, git_upstream_table
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
 MESSAGE = "Fix the invoice rounding (approved in the console)"
-
-
-@pytest.fixture
-def up(tmp_path: Path) -> Upstream:
-    return upstream(tmp_path)
-
-
-@pytest.fixture
-def repo(tmp_path: Path, up: Upstream) -> GitRepo:
-    return git_repo(tmp_path, up.state)
-
-
-@pytest.fixture
-def fresh_sessions(settings: Any) -> Iterator[None]:
-    """The upstream is started anew for this test and ended after it (sessions are per
-    process, and the live server's thread shares this process's)."""
-    settings.EXECUTOR_UPSTREAM_START_SECONDS = 15
-    gateway().close()
-    yield
-    gateway().close()
 
 
 @pytest.fixture

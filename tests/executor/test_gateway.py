@@ -37,34 +37,12 @@ from tests.support.upstreams import (
     git_repo,
     git_upstream_table,
     node_server,
-    upstream,
     wait_until,
 )
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def up(tmp_path: Path) -> Upstream:
-    return upstream(tmp_path)
-
-
-@pytest.fixture
-def repo(tmp_path: Path, up: Upstream) -> GitRepo:
-    return git_repo(tmp_path, up.state)
-
-
-@pytest.fixture
-def fresh_sessions(settings: Any, tmp_path: Path) -> Iterator[None]:
-    """Each test starts its upstreams anew and ends them (they are per process); their
-    stderr logs go to the test's own folder."""
-    settings.EXECUTOR_UPSTREAM_START_SECONDS = 15
-    settings.VAR_DIR = tmp_path / "var"
-    gateway().close()
-    yield
-    gateway().close()
 
 
 def load(agent: Agent, *tables: dict[str, Any]) -> services.ToolsLoaded:

@@ -7,7 +7,6 @@ SIGKILLed mid-call inside the worker's session.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,19 +22,9 @@ from executor.tools.base import unregister
 from tests.support.api import AgentAuth
 from tests.support.cluster import Cluster
 from tests.support.mcp import call, over_stdio, text_of
-from tests.support.upstreams import GitRepo, Upstream, git_repo, git_upstream_table, upstream
+from tests.support.upstreams import GitRepo, Upstream, git_upstream_table
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture
-def up(tmp_path: Path) -> Upstream:
-    return upstream(tmp_path)
-
-
-@pytest.fixture
-def repo(tmp_path: Path, up: Upstream) -> GitRepo:
-    return git_repo(tmp_path, up.state)
 
 
 @pytest.fixture
