@@ -24,7 +24,7 @@ from executor.models import Agent, Step
 from executor.states import State
 from tests.support.api import AgentAuth
 from tests.support.cluster import Cluster, Stall
-from tests.support.mcp import WAIT_SECONDS, Work, call, over_http, over_stdio, text_of
+from tests.support.mcp import Work, call, mcp_web_server, over_http, over_stdio, text_of
 from tests.support.webserver import WebServer
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -34,12 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def web(cluster: Cluster, tmp_path: Path) -> Iterator[WebServer]:
-    """gunicorn on this test's database and broker, as deployments run it."""
-    folder = tmp_path / "web"
-    folder.mkdir()
-    server = WebServer(folder, env={**cluster.env, "MCP_WAIT_SECONDS": WAIT_SECONDS})
-    cluster.processes.append(server)
-    server.start()
+    server = mcp_web_server(cluster, tmp_path / "web")
     yield server
     server.stop()
 

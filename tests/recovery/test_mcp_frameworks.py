@@ -35,6 +35,7 @@ from executor.tools import http as http_tools
 from executor.tools.base import unregister
 from tests.support.api import AgentAuth
 from tests.support.cluster import Cluster
+from tests.support.mcp import mcp_web_server
 from tests.support.processes import Desk
 from tests.support.webserver import WebServer
 
@@ -425,13 +426,8 @@ def test_over_stdio_the_framework_hands_on_each_state_with_its_guidance(
 
 @pytest.fixture
 def web(cluster: Cluster, desk_tool: str, tmp_path: Path) -> Iterator[WebServer]:
-    """gunicorn on this test's database and broker, as deployments run it (started after
-    desk_tool allowed the desk's host)."""
-    folder = tmp_path / "web"
-    folder.mkdir()
-    server = WebServer(folder, env={**cluster.env, "MCP_WAIT_SECONDS": WAIT_SECONDS})
-    cluster.processes.append(server)
-    server.start()
+    """Started after desk_tool allowed the desk's host."""
+    server = mcp_web_server(cluster, tmp_path / "web")
     yield server
     server.stop()
 

@@ -60,3 +60,13 @@ def call(tool: str, arguments: dict[str, Any]) -> Work[CallToolResult]:
         return await client.call_tool(tool, arguments)
 
     return work
+
+
+def mcp_web_server(cluster: Cluster, folder: Path) -> WebServer:
+    """gunicorn on the cluster's database and broker, as deployments run it, started (its
+    MCP calls wait WAIT_SECONDS for their steps); the cluster stops it with the rest."""
+    folder.mkdir()
+    server = WebServer(folder, env={**cluster.env, "MCP_WAIT_SECONDS": WAIT_SECONDS})
+    cluster.processes.append(server)
+    server.start()
+    return server
