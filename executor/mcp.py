@@ -3,8 +3,9 @@ tools an agent sees, a call posted as a durable step and waited on a bounded tim
 answer an agent reads. `executor/mcp_server.py` puts them on the SDK's stdio and HTTP.
 
 A key is one effect whatever the client does: every call of an agent without `run` goes into
-that agent's one MCP run (the same for every stdio process, every HTTP request, every day),
-so a `key` names the same step forever; a write without one gets a key derived from the tool
+that agent's MCP run (the same for every stdio process, every HTTP request, every day; after
+a person cancels it, a new one, whose keys are checked against the earlier runs' too), so a
+`key` names the same step forever; a write without one gets a key derived from the tool
 and its arguments within MCP_DEDUP_SECONDS, so a framework's blind retry is the same step (a
 read without one is a new step each time: repeating it is harmless, its answer may change).
 
@@ -172,7 +173,7 @@ def with_controls(schema: dict[str, Any]) -> dict[str, Any]:
             "maxLength": MAX_KEY_LENGTH,
             "description": "Idempotency key: every call of this agent with this key is the "
             "same step, from any session, forever; it never runs twice. Give one to every "
-            "call with an effect. Without one, the same call again within a few minutes is "
+            "call with an effect. Without one, the same write again within a few minutes is "
             "taken for a retry of the first.",
         },
         run: {

@@ -85,11 +85,11 @@ def tools_load(
     its schema, its compensation): any problem raises Invalid listing every one, each naming
     the tool or upstream and the field, and nothing is written. `prune` removes the HTTP
     tools (when the file holds any) and the upstreams (when it holds any) that it does not
-    name; `check` only says what loading would do. An
-    edited tool or upstream gets a new policy version, so approvals of its earlier version
-    no longer authorize anything. With `connect`, each loaded upstream is asked for its
-    tools at once (from this process: a worker asks again at its next sweep, and where this
-    process cannot reach it, that is said, not refused).
+    name; `check` only says what loading would do. An edited tool or upstream gets a new
+    policy version, so approvals of its earlier version no longer authorize anything. With
+    `connect`, each loaded upstream is asked for its tools at once (from this process: a
+    worker asks again at its next sweep, and where this process cannot reach it, that is
+    said, not refused).
     """
     existing = {spec.name: spec for spec in HttpToolSpec.objects.all()}
     existing_upstreams = {row.name: row for row in McpUpstream.objects.all()}
