@@ -184,9 +184,10 @@ def test_drill_with_an_mcp_upstream_leaves_one_commit_per_step_and_the_rest_for_
     steps = Step.objects.filter(run_id=report.parameters["run_id"], tool_id=drill_upstream.TOOL)
     assert steps.count() == 12
     completed = steps.filter(state="completed").count()
-    # Whatever is not completed had its answer lost with its worker: a person decides.
+    # Whatever is not completed had its answer lost with its worker: a person decides. (How
+    # many of each depends on where the crashes fell: a crash takes every call its process
+    # had on its way, and an upstream's commits are the slowest calls of the drill.)
     assert steps.exclude(state="completed").exclude(state="unknown").count() == 0
-    assert completed >= 1
     for step in steps.filter(state="unknown"):
         submitted = step.attempts.exclude(request_evidence=None).last()
         assert submitted is not None
