@@ -33,7 +33,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from concurrent.futures import wait
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +45,6 @@ import django
 
 django.setup()
 
-from django.conf import settings  # noqa: E402
 from django.db import connection  # noqa: E402
 from django.db.backends.utils import CursorWrapper  # noqa: E402
 from django.test import Client  # noqa: E402
@@ -79,36 +77,14 @@ def _counted(self: CursorWrapper, sql: str, params: Any, many: bool, executor: A
 CursorWrapper._execute_with_wrappers = _counted  # type: ignore[method-assign]
 
 # PostgreSQL flushes another backend's statistics at most once a second: wait that long
-# before reading the commit count, so the engine's other connections are in it (the pool
-# threads' connections are cycled first: see cycle_pool_connections).
+# before reading the commit count, so the engine's other connection (its lease keeper's,
+# closed at the end of each drain, which flushes it) is in it. Every other statement of a
+# drain runs on this thread's connection (DESIGN.md §16), which flushes its own.
 SETTLE_SECONDS = 1.2
-
-
-def cycle_pool_connections() -> None:
-    """Closes the database connection of each of the engine's pool threads, and opens a new
-    one.
-
-    A backend that has flushed its statistics less than a second ago, then goes idle, holds
-    the next ones for ten seconds (PostgreSQL's PGSTAT_IDLE_INTERVAL): a settle of a second
-    would leave the pool threads' last commits to the next measurement. A closing backend
-    flushes at once; the new connection's own setup is flushed before the reading too (a
-    new backend flushes as soon as it is idle), so the next measurement does not count it.
-    The barrier makes every thread take exactly one of the jobs.
-    """
-    size = max(1, settings.EXECUTOR_WRITE_POOL)
-    barrier = threading.Barrier(size)
-
-    def cycle() -> None:
-        barrier.wait(timeout=30)
-        connection.close()
-        connection.ensure_connection()
-
-    wait([engine._call_pool().submit(cycle) for _ in range(size)])
 
 
 def xact_commit(settle: bool = True) -> int:
     if settle:
-        cycle_pool_connections()
         time.sleep(SETTLE_SECONDS)
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_stat_force_next_flush()")

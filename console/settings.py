@@ -409,8 +409,22 @@ LOGGING = {
 
 # A woken worker claims due steps in batches of this many (one commit per batch)...
 EXECUTOR_BATCH_SIZE = env_int("EXECUTOR_BATCH_SIZE", 100)
-# ...runs write steps in a pool of this many threads (0: one at a time, in the task's thread)...
-EXECUTOR_WRITE_POOL = env_int("EXECUTOR_WRITE_POOL", 8)
+# ...keeps up to this many calls in flight per worker process, none holding a database
+# connection (DESIGN.md §16; 0: one call at a time, in the task's thread)...
+EXECUTOR_MAX_IN_FLIGHT = env_int("EXECUTOR_MAX_IN_FLIGHT", 256)
+# ...on at most this many database connections per worker process: the engine uses two (the
+# drain's and its lease keeper's), whatever the calls in flight; fewer cannot run it.
+EXECUTOR_DB_CONNECTIONS = env_int("EXECUTOR_DB_CONNECTIONS", 4)
+if EXECUTOR_DB_CONNECTIONS < 2:
+    raise ImproperlyConfigured(
+        "EXECUTOR_DB_CONNECTIONS must be at least 2: a worker process uses one connection to "
+        "claim and commit and one to renew its leases."
+    )
+if "EXECUTOR_WRITE_POOL" in os.environ:
+    raise ImproperlyConfigured(
+        "EXECUTOR_WRITE_POOL is gone: calls no longer each hold a thread and a connection. "
+        "Unset it; EXECUTOR_MAX_IN_FLIGHT (default 256) bounds the calls in flight per worker."
+    )
 # ...and claims at most this many before it acknowledges its message and looks for others.
 EXECUTOR_DRAIN_LIMIT = env_int("EXECUTOR_DRAIN_LIMIT", 5000)
 # How often the sweeper signs a checkpoint of the ledger's chains (DESIGN.md §15).

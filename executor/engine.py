@@ -21,29 +21,26 @@ that path lives elsewhere (recovery, progress, policy, dispatch, transitions).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import random
-import select
 import socket
 import threading
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from decimal import Decimal
 from functools import cache, cached_property
 from typing import Any
 
-import psycopg
 from django.conf import settings
-from django.db import DEFAULT_DB_ALIAS, close_old_connections, connection, connections, transaction
+from django.db import connection, transaction
 from django.db.models import F, Q, QuerySet
 from django.utils import timezone
 
-from executor import bulk, dispatch, faults, logcontext, policy, progress, transitions
+from executor import bulk, calls, dispatch, faults, logcontext, policy, progress, transitions
 from executor.bulk import update_rows
 from executor.models import (
     OPEN_PHASES,
@@ -67,6 +64,7 @@ from executor.tools.base import (
     ToolError,
     ToolResult,
     find_tool,
+    invoke_blocking,
 )
 
 logger = logging.getLogger(__name__)
@@ -382,33 +380,25 @@ def cancel_if_run_cancelled(step_id: Any, *, actor: str) -> str:
 
 
 def run_light(claims: Sequence[Claim]) -> dict[Any, str]:
-    """Calls each claimed pure/read step's tool, then persists every outcome in one commit.
-
-    Returns the state each step ended in (or FENCED_OUT). Read tools (which wait on the
-    network) are called concurrently; pure ones in this thread.
-    """
-    answers = _invoke_all(claims)
-    return persist_light(claims, answers)
+    """Calls each claimed pure/read step's tool here, one after another, then persists every
+    outcome in one commit. Returns the state each step ended in (or FENCED_OUT). (A drain
+    with calls in flight sends its reads to the call loop instead: `InFlight`.)"""
+    return persist_light(claims, [_invoke_one(c) for c in claims])
 
 
 def _invoke_one(claim: Claim) -> ToolResult | BaseException:
-    """The call, with the interruption points around it (DESIGN.md §5)."""
+    """The call, here and now, with the interruption points around it (DESIGN.md §5)."""
     faults.hit("before_invoke")
     try:
-        answer = claim.tool.invoke(invocation(claim.step, claim.fence, claim.attempt.number))
+        answer = invoke_blocking(claim.tool, call_of(claim))
     except Exception as error:  # noqa: BLE001 - every error is classified, none escapes
         return error
     faults.hit("after_submit")
     return answer
 
 
-def _invoke_all(claims: Sequence[Claim]) -> list[ToolResult | BaseException]:
-    reads = [c for c in claims if c.tool.effect == Effect.READ]
-    futures: dict[int, Future[ToolResult | BaseException]] = {}
-    if len(reads) > 1 and settings.EXECUTOR_WRITE_POOL > 0:
-        pool = _read_pool()
-        futures = {id(c): pool.submit(_invoke_one, c) for c in reads}
-    return [futures[id(c)].result() if id(c) in futures else _invoke_one(c) for c in claims]
+def call_of(claim: Claim) -> Invocation:
+    return invocation(claim.step, claim.fence, claim.attempt.number)
 
 
 def persist_light(
@@ -416,27 +406,25 @@ def persist_light(
 ) -> dict[Any, str]:
     """Stores the answers of claimed pure/read steps: results complete their step, errors are
     classified (§8); all in one commit, each step's write conditional on its own fence."""
+    return store_answers(claims, answers, target=State.COMPLETED)
+
+
+def store_answers(
+    claims: Sequence[Claim], answers: Sequence[ToolResult | BaseException], *, target: State
+) -> dict[Any, str]:
+    """Commit 6 of §5 for many calls at once (group commit, §14 and §16): each result moves
+    its step to `target` (pure and read steps: completed; writes: verifying, their response
+    stored) with its attempt `responded` and its cost counted, in one commit, each step's
+    write conditional on its own fence; errors are classified (§8), each in its own commit.
+    A crash before the commit loses only the responses: recovery treats those steps as
+    never answered (§7). Returns where each step ended (or FENCED_OUT)."""
     ends: dict[Any, str] = {}
     now = timezone.now()
     done = [(c, a) for c, a in zip(claims, answers, strict=True) if isinstance(a, ToolResult)]
     failed = [(c, a) for c, a in zip(claims, answers, strict=True) if not isinstance(a, ToolResult)]
     costs: dict[Any, Decimal] = {}
     with transaction.atomic():
-        moved, stale = transitions.move_many(
-            [
-                transitions.Move(
-                    c.step,
-                    State.COMPLETED,
-                    actor=executor_actor(c.worker),
-                    reason="completed",
-                    fence=c.fence,
-                    changes={"external_id": a.external_id[:200], "result": c.redactor(a.result)},
-                    data={"external_id": a.external_id} if a.external_id else None,
-                )
-                for c, a in done
-            ],
-            now=now,
-        )
+        moved, stale = transitions.move_many([_answered(c, a, target) for c, a in done], now=now)
         moved_ids = {m.step.pk for m in moved}
         responded = {
             c.attempt.pk: (c, a, c.tool.cost(a)) for c, a in done if c.step.pk in moved_ids
@@ -462,9 +450,10 @@ def persist_light(
             )
         for run_id, cost in sorted(costs.items(), key=lambda item: str(item[0])):
             Run.objects.filter(pk=run_id).update(used_cost=F("used_cost") + cost)
-        progress.steps_completed([m.step for m in moved], now=now)
+        if target == State.COMPLETED:
+            progress.steps_completed([m.step for m in moved], now=now)
         for c, _ in done:
-            ends[c.step.pk] = State.COMPLETED if c.step.pk in moved_ids else Outcome.FENCED_OUT
+            ends[c.step.pk] = target if c.step.pk in moved_ids else Outcome.FENCED_OUT
         for m in stale:
             c, a = next((c, a) for c, a in done if c.step.pk == m.step.pk)
             with logcontext.bound(**log_fields(c.step, c.attempt)):
@@ -476,6 +465,24 @@ def persist_light(
     for run_id in costs:
         pause_if_over_cost(run_id, now=now)
     return ends
+
+
+def _answered(claim: Claim, result: ToolResult, target: State) -> transitions.Move:
+    """The move that stores a call's result: to completed (pure, read) or verifying (write)."""
+    if target == State.VERIFYING:
+        return transitions.Move(claim.step, target, fence=claim.fence, **_responded(claim, result))
+    return transitions.Move(
+        claim.step,
+        target,
+        actor=executor_actor(claim.worker),
+        reason="completed",
+        fence=claim.fence,
+        changes={
+            "external_id": result.external_id[:200],
+            "result": claim.redactor(result.result),
+        },
+        data={"external_id": result.external_id} if result.external_id else None,
+    )
 
 
 def response_evidence(claim: Claim, result: ToolResult) -> dict[str, Any]:
@@ -567,6 +574,68 @@ def submit(claim: Claim, *, now: datetime) -> str | None:
             break
     with transaction.atomic():
         return stop_before_submit(step, attempt, now=now)
+
+
+def submit_many(claims: Sequence[Claim], *, now: datetime) -> tuple[list[Claim], dict[Any, str]]:
+    """Commit point 4 for many writes at once (DESIGN.md §16): the leases still held are
+    extended, each run's calls counted by one conditional UPDATE, and the attempts marked
+    `submitting` with their request evidence, in one commit. Returns (the claims whose tool
+    may now be called, where each of the others ended: FENCED_OUT, or `pending` in a paused
+    run, or `cancelled`)."""
+    if not claims:
+        return [], {}
+    ends: dict[Any, str] = {}
+    with transaction.atomic():
+        held = _lock_held(claims)
+        Step.objects.filter(pk__in=held).update(
+            lease_expires_at=now + timedelta(seconds=lease_seconds())
+        )
+        by_run: dict[Any, list[Claim]] = {}
+        for c in claims:
+            if c.step.pk in held:
+                by_run.setdefault(c.step.run_id, []).append(c)
+        ready: list[Claim] = []
+        refused: list[Claim] = []
+        # Runs' rows in id order, as every batch takes them (`claim`).
+        for _, waiting in sorted(by_run.items(), key=lambda item: str(item[0])):
+            granted = policy.budget_take_calls(waiting[0].step.run, len(waiting), now=now)
+            ready += waiting[:granted]
+            refused += waiting[granted:]
+        if ready:
+            update_rows(
+                Attempt.objects.filter(pk__in=[c.attempt.pk for c in ready], phase=Phase.CLAIMED),
+                same={"phase": Phase.SUBMITTING, "submitted_at": now},
+                per_row={
+                    "request_evidence": {
+                        c.attempt.pk: request_evidence(c.tool, c.step) for c in ready
+                    }
+                },
+            )
+        for c in ready:
+            c.attempt.phase = Phase.SUBMITTING
+            c.attempt.submitted_at = now
+        for c in refused:
+            with logcontext.bound(**log_fields(c.step, c.attempt)):
+                ends[c.step.pk] = stop_before_submit(c.step, c.attempt, now=now)
+    for c in claims:
+        if c.step.pk not in held:
+            with logcontext.bound(**log_fields(c.step, c.attempt)):
+                ends[c.step.pk] = record_fenced_out(c.attempt, "submitting")
+    return ready, ends
+
+
+def _lock_held(claims: Sequence[Claim]) -> set[Any]:
+    """Locks (in id order, as every batch does) the rows of the claims whose lease their
+    worker still holds, and returns their steps' ids. Inside a transaction."""
+    held = Q()
+    for c in claims:
+        held |= Q(pk=c.step.pk, fence=c.fence)
+    return set(
+        Step.objects.select_for_update(no_key=True)
+        .filter(held, state__in=LEASED)
+        .order_by("pk")
+        .values_list("pk", flat=True)
+    )
 
 
 @cache
@@ -696,7 +765,7 @@ def persist_response(claim: Claim, result: ToolResult, *, verify: bool = True) -
                     State.VERIFYING,
                     fence=claim.fence,
                     now=now,
-                    **_responded(claim, result, actor),
+                    **_responded(claim, result),
                 )
                 close_attempt(attempt, Phase.RESPONDED, response=evidence, cost=cost, now=now)
                 if cost:
@@ -711,10 +780,10 @@ def persist_response(claim: Claim, result: ToolResult, *, verify: bool = True) -
     return verify_step(step, actor=actor, fence=claim.fence, attempt=attempt)
 
 
-def _responded(claim: Claim, result: ToolResult, actor: str) -> dict[str, Any]:
+def _responded(claim: Claim, result: ToolResult) -> dict[str, Any]:
     """The move to `verifying` that stores a write's response: what it writes and says."""
     return {
-        "actor": actor,
+        "actor": executor_actor(claim.worker),
         "reason": "response stored",
         "changes": {
             "external_id": result.external_id[:200],
@@ -738,7 +807,7 @@ def _respond_in_one_statement(
     statement. False, and nothing written, when the fence no longer holds."""
     step, attempt = claim.step, claim.attempt
     moved = transitions.plan_move(
-        step, State.VERIFYING, fence=claim.fence, now=now, **_responded(claim, result, actor)
+        step, State.VERIFYING, fence=claim.fence, now=now, **_responded(claim, result)
     )
     if_moved = "EXISTS (SELECT FROM moved)"
     closed = closing_fields(Phase.RESPONDED, response=evidence, cost=cost, now=now)
@@ -996,20 +1065,12 @@ def extend_leases(claims: Sequence[Claim], *, now: datetime) -> list[Claim]:
     by recovery) is neither extended nor lost: its drain releases it."""
     if not claims:
         return []
-    held = Q()
-    for c in claims:
-        held |= Q(pk=c.step.pk, fence=c.fence)
     until = now + timedelta(seconds=lease_seconds())
     with transaction.atomic():
         # Locked first, in the order every batch locks steps (transitions.move_many): an
         # UPDATE locks its rows in whatever order its plan meets them, and met the drain's
         # completion of the same steps the other way round (a deadlock, then leases lost).
-        ours = set(
-            Step.objects.select_for_update(no_key=True)
-            .filter(held, state__in=LEASED)
-            .order_by("pk")
-            .values_list("pk", flat=True)
-        )
+        ours = _lock_held(claims)
         Step.objects.filter(pk__in=ours).update(lease_expires_at=until)
     if len(ours) == len(claims):
         return []
@@ -1072,172 +1133,98 @@ class LeaseKeeper:
             connection.close()
 
 
-# --- the worker pool and the drain --------------------------------------------------------
-
-# The process's thread pools, by name (made on first use, after a worker process forks).
-_pools: dict[str, ThreadPoolExecutor] = {}
-_pool_lock = threading.Lock()
+# --- calls in flight and the drain (DESIGN.md §16) ---------------------------------------
 
 
-def _threads(name: str) -> ThreadPoolExecutor:
-    with _pool_lock:
-        if name not in _pools:
-            _pools[name] = ThreadPoolExecutor(
-                max_workers=max(1, settings.EXECUTOR_WRITE_POOL),
-                thread_name_prefix=f"stepward-{name}",
-            )
-        return _pools[name]
+class InFlight:
+    """The calls a drain has in flight: up to `limit` at once, on the process's call loop
+    (executor/calls.py), none holding a database connection. Everything they need written
+    this (the drain's) thread writes, in groups: the `submitting` marks of the writes about
+    to start in one commit (`submit_many`), the answers that arrived by the time it looks in
+    one commit (`store_answers`), the writes' completions in one more (`verify_many`); the
+    lease keeper renews every lease in flight in one statement.
 
-
-def _call_pool() -> ThreadPoolExecutor:
-    """The process's threads for write steps; each thread keeps its own database connection."""
-    return _threads("call")
-
-
-def _read_pool() -> ThreadPoolExecutor:
-    """The process's threads for a batch's read calls, apart from the write pool, whose
-    queue holds the writes' backlog: a batch's reads never wait behind it. They only call
-    the tool; the batch's outcomes are persisted by the thread that claimed them."""
-    return _threads("read")
-
-
-def refresh_connection() -> None:
-    """Django's rules for a connection at the start of a request (too old for CONN_MAX_AGE,
-    left in error or outside autocommit: closed, the next query opens a new one), with the
-    health check CONN_HEALTH_CHECKS asks for made by looking at the socket instead of by a
-    query: a `SELECT 1` is a round trip and, for PostgreSQL, a transaction of its own.
-
-    A connection that sat idle has nothing to read unless the server ended it meanwhile (a
-    restart, `idle_session_timeout`, `pg_terminate_backend`): then its last words, or the
-    end of the stream, are waiting. Such a connection is closed here, before a step uses it.
-    A connection lost without a word (a network gone silent) is found by neither check in
-    time; the step it fails waits for its lease to run out (DESIGN.md §7), as after a crash.
-    """
-    close_old_connections()
-    db = connections[DEFAULT_DB_ALIAS]
-    if db.vendor != "postgresql" or db.connection is None:
-        return
-    if not db.settings_dict.get("CONN_HEALTH_CHECKS"):
-        return
-    if db.connection.closed or _has_news(db.connection):
-        db.close()
-    else:
-        # Django's flag for "checked this request" (not in its type stubs): no SELECT 1.
-        db.health_check_done = True  # type: ignore[attr-defined]
-
-
-def _has_news(pg: Any) -> bool:
-    """Whether anything (or the end of the stream) waits to be read on an idle psycopg
-    connection's socket: no round trip, no wait."""
-    try:
-        poller = select.poll()  # not select.select: it refuses descriptors from 1024 on
-        poller.register(pg.pgconn.socket, select.POLLIN | select.POLLPRI)
-        return bool(poller.poll(0))
-    except (OSError, ValueError, psycopg.Error):
-        return True
-
-
-# Which drain each pool thread last worked for (`_execute_in_thread`).
-_thread_drain = threading.local()
-
-
-def _execute_in_thread(claim: Claim, context: dict[str, Any], drain: int) -> str:
-    # A drain is to a pool thread what a request is to a web thread: its connection is
-    # checked (and replaced if stale or broken) once at the start, not before every step.
-    # After an error it is checked again before the next step.
-    if getattr(_thread_drain, "number", None) != drain:
-        refresh_connection()
-        _thread_drain.number = drain
-    with logcontext.bound(**context):
-        try:
-            return execute_claimed(claim, verify=False)
-        except Exception:  # its lease runs out and recovery takes it from there (§7)
-            logger.exception(
-                "step %s: the attempt stopped on an error",
-                claim.step.pk,
-                extra=log_fields(claim.step, claim.attempt),
-            )
-            _thread_drain.number = None
-            return Outcome.SKIPPED
-
-
-_drains = itertools.count(1)
-
-
-class WritePool:
-    """Runs claimed write steps on the process's threads, `size` calls at once, with a
-    backlog of at most BACKLOG times as many (in the calling thread, one by one, when `size`
-    is 0).
-
-    Writes are claimed for it BACKLOG pools' worth at a time, never one by one as each call
-    returns: a claim is a commit, and the backlog's leases are kept like the running ones.
-    Each call's thread commits its response; the calls that ended by the time the drain
-    looks are completed together (`verify_many`), for the same reason. A claimed step that
-    waits in the backlog has sent nothing: if the worker dies, it is retried once its lease
-    runs out (DESIGN.md §7).
+    Claims wait in `waiting` (claimed, nothing sent: a crash leaves them for recovery to
+    retry, §7) until there is room. With `limit` 0 every call is made in this thread, one at
+    a time, as it is claimed (in-process tests: their uncommitted rows are this thread's).
     """
 
-    # Desk drain, create_keyed, -c 2, 8 threads: 100-108 steps/s with a backlog of one pool,
-    # 117-123 with two (claims and completions half as often), 117 with three.
-    BACKLOG = 2
-
-    def __init__(self, size: int, keeper: LeaseKeeper, ends: dict[Any, str]) -> None:
-        self.size = size
+    def __init__(self, limit: int, keeper: LeaseKeeper, ends: dict[Any, str]) -> None:
+        self.limit = limit
         self.keeper = keeper
-        # Where each step it ran ended, as each call's thread returns.
+        # Where each step it ran ended, as its group is committed.
         self.ends = ends
-        self._running: dict[Future[str], Claim] = {}
-        self._number = next(_drains)
+        self._waiting: list[Claim] = []
+        self._running: dict[Future[calls.Answer], Claim] = {}
 
     def room(self, wanted: int) -> int:
         """How many write steps to claim now."""
-        if self.size == 0:
+        if self.limit == 0:
             return wanted
-        self._reap()
-        if len(self._running) > self.size:
-            return 0
-        return min(wanted, (1 + self.BACKLOG) * self.size - len(self._running))
+        return max(0, min(wanted, self.limit - len(self._running) - len(self._waiting)))
 
-    def submit(self, claims: Sequence[Claim]) -> None:
-        for c in claims:
-            if self.size == 0:
+    def add(self, claims: Sequence[Claim]) -> None:
+        """Takes claimed steps whose call is not made in the claiming thread (writes, reads)."""
+        if self.limit == 0:
+            for c in claims:
                 self.ends[c.step.pk] = execute_claimed(c)
                 self.keeper.release([c])
-            else:
-                # The pool's threads log with the context of the task that claimed the step.
-                future = _call_pool().submit(
-                    _execute_in_thread, c, logcontext.current(), self._number
-                )
-                self._running[future] = c
+            return
+        self._waiting += claims
+        self._start()
 
     def busy(self) -> bool:
-        self._reap()
-        return bool(self._running)
+        return bool(self._running or self._waiting)
 
-    def wait_for_room(self) -> None:
-        """Waits for a call to end, and on until a claim would take writes again; then takes
-        in every call that ended, so that their completions share one commit and the next
-        claim takes pools' worth, not a step or two at a time."""
-        pending = [f for f in self._running if not f.done()]
-        if len(pending) == len(self._running):
-            wait(pending, return_when=FIRST_COMPLETED)
-            pending = [f for f in pending if not f.done()]
-        while len(pending) > self.size:
-            wait(pending, return_when=FIRST_COMPLETED)
-            pending = [f for f in pending if not f.done()]
-        self._reap()
+    def collect(self, *, wait_seconds: float = 0) -> None:
+        """Commits the answers that have arrived, waiting up to `wait_seconds` for the first
+        one if none has; then starts what waits, room allowing."""
+        if self._running and wait_seconds > 0:
+            wait(self._running, timeout=wait_seconds, return_when=FIRST_COMPLETED)
+        arrived = [(self._running.pop(f), f.result()) for f in list(self._running) if f.done()]
+        if arrived:
+            self._store(arrived)
+        self._start()
 
     def join(self) -> None:
-        wait(self._running)
-        self._reap()
+        """Waits for every call in flight and commits its answer."""
+        while self.busy():
+            self.collect(wait_seconds=1)
 
-    def _reap(self) -> None:
-        """Takes in the calls that ended; completes those that stored a response together."""
-        ended = [(self._running.pop(f), f.result()) for f in [f for f in self._running if f.done()]]
-        responded = [claim for claim, end in ended if end == State.VERIFYING]
-        self.ends.update((claim.step.pk, end) for claim, end in ended)
-        self.ends.update(verify_many(responded))
-        self.keeper.release([claim for claim, _ in ended])
+    def _start(self) -> None:
+        room = self.limit - len(self._running)
+        if room <= 0 or not self._waiting:
+            return
+        starting, self._waiting = self._waiting[:room], self._waiting[room:]
+        reads = [c for c in starting if is_light(c.tool)]  # `submitting` since their claim
+        writes, stopped = submit_many(
+            [c for c in starting if not is_light(c.tool)], now=timezone.now()
+        )
+        self.ends.update(stopped)
+        self.keeper.release([c for c in starting if c.step.pk in stopped])
+        loop = calls.call_loop()
+        for c in reads + writes:
+            context = {**logcontext.current(), **log_fields(c.step, c.attempt)}
+            self._running[loop.start(c.tool, call_of(c), context)] = c
+
+    def _store(self, arrived: list[tuple[Claim, calls.Answer]]) -> None:
+        reads = [(c, a) for c, a in arrived if is_light(c.tool)]
+        writes = [(c, a) for c, a in arrived if not is_light(c.tool)]
+        try:
+            if reads:
+                self.ends.update(store_answers(*zip(*reads, strict=True), target=State.COMPLETED))
+            if writes:
+                ends = store_answers(*zip(*writes, strict=True), target=State.VERIFYING)
+                self.ends.update(ends)
+                self.ends.update(
+                    verify_many([c for c, _ in writes if ends[c.step.pk] == State.VERIFYING])
+                )
+        except Exception:  # their leases run out, and recovery takes them from there (§7)
+            logger.exception("%d answers could not be committed", len(arrived))
+            for c, _ in arrived:
+                self.ends.setdefault(c.step.pk, Outcome.SKIPPED)
+        finally:
+            self.keeper.release([c for c, _ in arrived])
 
 
 def drain(*, worker: str, limit: int | None = None) -> int:
@@ -1274,30 +1261,44 @@ def _drain(*, worker: str, limit: int | None, hint: Any = None) -> Drained:
     drained = Drained()
     named = [hint] if hint is not None else []
     with LeaseKeeper() as keeper:
-        pool = WritePool(settings.EXECUTOR_WRITE_POOL, keeper, drained.ends)
+        flight = InFlight(settings.EXECUTOR_MAX_IN_FLIGHT, keeper, drained.ends)
         try:
             while named or drained.claimed < limit:
                 room = min(size, limit - drained.claimed)
-                writes = pool.room(room)
+                writes = flight.room(room)
                 batch = claim(worker=worker, step_ids=named, light=room, writes=writes)
                 named = []
                 drained.ends.update(batch.outcomes)
                 if batch.claims:
                     drained.claimed += len(batch.claims)
                     keeper.hold(batch.claims)
-                    pool.submit([c for c in batch.claims if not is_light(c.tool)])
-                    light = [c for c in batch.claims if is_light(c.tool)]
-                    if light:
-                        drained.ends.update(run_light(light))
-                        keeper.release(light)
+                    # Pure steps wait on nothing: they run here, at once. With no calls in
+                    # flight (limit 0), reads do too.
+                    here = [c for c in batch.claims if _called_here(c.tool, flight)]
+                    flight.add([c for c in batch.claims if not _called_here(c.tool, flight)])
+                    if here:
+                        drained.ends.update(run_light(here))
+                        keeper.release(here)
+                    flight.collect()
                 elif batch.outcomes and drained.claimed < limit:
                     continue  # only refusals: look again
-                elif pool.busy():
-                    pool.wait_for_room()
+                elif flight.busy():
+                    # Nothing due that there is room for: commit answers as they come, and
+                    # look for new work at least every LOOK_SECONDS.
+                    flight.collect(wait_seconds=LOOK_SECONDS)
                 elif writes == 0 < room:
-                    continue  # the pool was full when this claim looked: look for writes now
+                    continue  # no room when this claim looked: look for writes now
                 else:
                     break
         finally:
-            pool.join()
+            flight.join()
     return drained
+
+
+# How long a drain with calls in flight and nothing due waits for an answer before it looks
+# for new work again.
+LOOK_SECONDS = 0.5
+
+
+def _called_here(tool: Tool, flight: InFlight) -> bool:
+    return tool.effect == Effect.PURE or (is_light(tool) and flight.limit == 0)

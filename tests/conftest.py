@@ -94,10 +94,11 @@ def _fresh_limits() -> None:
 
 
 @pytest.fixture(autouse=True)
-def _write_steps_in_the_test_thread(settings: Any) -> None:
-    """In-process tests run write steps in their own thread: a pool thread's connection
-    would not see the test's uncommitted rows. Real workers (recovery suites) use the pool."""
-    settings.EXECUTOR_WRITE_POOL = 0
+def _calls_in_the_test_thread(settings: Any) -> None:
+    """In-process tests make their steps' calls in their own thread, one at a time, in the
+    order claimed, as most of them script their tools' answers in that order. Tests of calls
+    in flight, and real workers (recovery suites), set EXECUTOR_MAX_IN_FLIGHT themselves."""
+    settings.EXECUTOR_MAX_IN_FLIGHT = 0
 
 
 @pytest.fixture(autouse=True)

@@ -6,12 +6,14 @@ are missing or contradictory cannot be registered.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import hashlib
+import inspect
 import json
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from decimal import Decimal
 from typing import Any, ClassVar
@@ -214,6 +216,10 @@ class Tool:
         "input_schema",
     )
 
+    # `invoke` may be `async def` (DESIGN.md §16): the worker then awaits it on its event
+    # loop; a plain one runs on a thread of the worker's call pool, which never touches the
+    # database. A tool with both (`ainvoke` beside a plain `invoke`, as the HTTP tools have)
+    # is awaited in a worker and called plainly elsewhere.
     def invoke(self, call: Invocation) -> ToolResult:
         raise NotImplementedError
 
@@ -381,6 +387,24 @@ def validator_class(schema: Any) -> type[Validator]:
 
 
 _registry: dict[str, Tool] = {}
+
+
+def awaitable(tool: Tool) -> Callable[[Invocation], Awaitable[ToolResult]] | None:
+    """The tool's call as a coroutine function where it has one (an `async def invoke`, or
+    an `ainvoke` beside a plain one); None for a plain tool."""
+    if inspect.iscoroutinefunction(tool.invoke):
+        return tool.invoke
+    native = getattr(tool, "ainvoke", None)
+    return native if native is not None and inspect.iscoroutinefunction(native) else None
+
+
+def invoke_blocking(tool: Tool, call: Invocation) -> ToolResult:
+    """Calls the tool and waits for its answer, in a thread with no event loop running (an
+    `async def invoke` is run to its end on a loop of its own)."""
+    if inspect.iscoroutinefunction(tool.invoke):
+        answer: ToolResult = asyncio.run(tool.invoke(call))
+        return answer
+    return tool.invoke(call)
 
 
 def check_declarations(cls: type[Tool]) -> None:

@@ -220,6 +220,22 @@ class HttpTool(Tool):
         }
 
     def invoke(self, call: Invocation) -> ToolResult:
+        method, url, secrets, body = self._call_request(call)
+        return self._answer(self._send(method, url, secrets, **body), secrets)
+
+    async def ainvoke(self, call: Invocation) -> ToolResult:
+        """`invoke` on the worker's event loop (DESIGN.md §16): the same request and answer."""
+        method, url, secrets, body = self._call_request(call)
+        try:
+            response = await outbound.async_client().request(
+                method, url, timeout=self.spec.timeout_seconds, follow_redirects=False, **body
+            )
+        except httpx.HTTPError as error:
+            raise _send_failure(error, secrets) from None
+        return self._answer(response, secrets)
+
+    def _call_request(self, call: Invocation) -> tuple[str, str, set[str], dict[str, Any]]:
+        """(method, url, the secrets read, the request's headers and body) of a call."""
         spec = self.spec
         secrets: set[str] = set()
         url, headers = self._request(spec.url, call, secrets)
@@ -232,11 +248,13 @@ class HttpTool(Tool):
             }
         else:
             body["json"] = call.input
-        response = self._send(spec.method, url, secrets, **body)
+        return spec.method, url, secrets, body
+
+    def _answer(self, response: httpx.Response, secrets: set[str]) -> ToolResult:
         status = response.status_code
         if 200 <= status < 300:
             answer = _json_or_text(response)
-            external = _field(answer, spec.external_id) if spec.external_id else ""
+            external = _field(answer, self.spec.external_id) if self.spec.external_id else ""
             return ToolResult(
                 result=scrub_strings(answer, secrets),
                 external_id=scrub(str(external or ""), secrets),
@@ -317,19 +335,8 @@ class HttpTool(Tool):
             return outbound.client().request(
                 method, url, timeout=self.spec.timeout_seconds, follow_redirects=False, **kwargs
             )
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as error:
-            raise ToolError(
-                FailureClass.TRANSIENT,
-                scrub(f"nothing was sent: {type(error).__name__}: {error}", secrets),
-            ) from None
         except httpx.HTTPError as error:
-            # Sent, and no reliable answer: it may have taken effect (API.md).
-            raise ToolError(
-                FailureClass.AMBIGUOUS,
-                scrub(
-                    f"no reliable answer after sending: {type(error).__name__}: {error}", secrets
-                ),
-            ) from None
+            raise _send_failure(error, secrets) from None
 
     def _refusal(self, response: httpx.Response, secrets: set[str]) -> ToolError:
         status = response.status_code
@@ -353,6 +360,20 @@ class HttpTool(Tool):
             # It may have acted before failing; `idempotency = "header"` makes a repeat safe.
             return ToolError(FailureClass.AMBIGUOUS, message, evidence=evidence)
         return ToolError(FailureClass.INVALID_INPUT, message, evidence=evidence)
+
+
+def _send_failure(error: httpx.HTTPError, secrets: set[str]) -> ToolError:
+    """What a request that got no answer means: nothing sent (it failed to connect), or sent
+    with no reliable answer (it may have taken effect, API.md)."""
+    if isinstance(error, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout):
+        return ToolError(
+            FailureClass.TRANSIENT,
+            scrub(f"nothing was sent: {type(error).__name__}: {error}", secrets),
+        )
+    return ToolError(
+        FailureClass.AMBIGUOUS,
+        scrub(f"no reliable answer after sending: {type(error).__name__}: {error}", secrets),
+    )
 
 
 def _json_or_text(response: httpx.Response) -> Any:

@@ -57,38 +57,66 @@ class HttpGet(Tool):
         return [f"url: {refused}"] if refused else []
 
     def invoke(self, call: Invocation) -> ToolResult:
-        url = call.input["url"]
-        refused = outbound.refusal(url)
-        if refused:
-            # Allowed when posted, perhaps, but the allow-list has changed since.
-            raise ToolError(FailureClass.POLICY_DENIED, refused)
+        url = _allowed(call)
         try:
             with outbound.client().stream(
                 "GET", url, timeout=10, follow_redirects=False
             ) as response:
                 raise_for_status(response)
                 body, truncated = read_at_most(response, settings.EXECUTOR_HTTP_MAX_RESPONSE_BYTES)
-        except httpx.ConnectError as error:
-            raise ToolError(FailureClass.TRANSIENT, f"connection failed: {error}") from error
-        except httpx.TimeoutException as error:
-            # A read is safe to repeat, so a timeout is retryable here.
-            raise ToolError(FailureClass.TRANSIENT, f"timed out: {error}") from error
         except httpx.HTTPError as error:
-            raise ToolError(FailureClass.UNAVAILABLE, str(error)) from error
-        text = decoded(body, response.charset_encoding)
-        return ToolResult(
-            result={
-                "status": response.status_code,
-                "body": text[:MAX_BODY_CHARS],
-                # Whether `body` is less than the whole response.
-                "truncated": truncated or len(text) > MAX_BODY_CHARS,
-            },
-            evidence={
-                "status": response.status_code,
-                "bytes": len(body),
-                "stopped_at_limit": truncated,
-            },
-        )
+            raise _failure(error) from error
+        return _result(response, body, truncated)
+
+    async def ainvoke(self, call: Invocation) -> ToolResult:
+        """`invoke` on the worker's event loop (DESIGN.md §16)."""
+        url = _allowed(call)
+        try:
+            async with outbound.async_client().stream(
+                "GET", url, timeout=10, follow_redirects=False
+            ) as response:
+                raise_for_status(response)
+                body, truncated = await aread_at_most(
+                    response, settings.EXECUTOR_HTTP_MAX_RESPONSE_BYTES
+                )
+        except httpx.HTTPError as error:
+            raise _failure(error) from error
+        return _result(response, body, truncated)
+
+
+def _allowed(call: Invocation) -> str:
+    url: str = call.input["url"]
+    refused = outbound.refusal(url)
+    if refused:
+        # Allowed when posted, perhaps, but the allow-list has changed since.
+        raise ToolError(FailureClass.POLICY_DENIED, refused)
+    return url
+
+
+def _failure(error: httpx.HTTPError) -> ToolError:
+    if isinstance(error, httpx.ConnectError):
+        return ToolError(FailureClass.TRANSIENT, f"connection failed: {error}")
+    if isinstance(error, httpx.TimeoutException):
+        # A read is safe to repeat, so a timeout is retryable here.
+        return ToolError(FailureClass.TRANSIENT, f"timed out: {error}")
+    return ToolError(FailureClass.UNAVAILABLE, str(error))
+
+
+def _result(response: httpx.Response, body: bytes, truncated: bool) -> ToolResult:
+    text = decoded(body, response.charset_encoding)
+    return ToolResult(
+        result={
+            "status": response.status_code,
+            "body": text[:MAX_BODY_CHARS],
+            # Whether `body` is less than the whole response.
+            "truncated": truncated or len(text) > MAX_BODY_CHARS,
+        },
+        evidence={
+            "status": response.status_code,
+            "bytes": len(body),
+            "stopped_at_limit": truncated,
+        },
+    )
 
 
 def decoded(body: bytes, charset: str | None) -> str:
@@ -115,13 +143,36 @@ def read_at_most(response: httpx.Response, limit: int) -> tuple[bytes, bool]:
     """The body's first `limit` bytes (decompressed), and whether there was more; stops
     reading there, and stops with a timeout once READ_DEADLINE_SECONDS have passed (a
     server may drip a body forever, each piece within the read timeout)."""
-    deadline = time.monotonic() + READ_DEADLINE_SECONDS
-    body = bytearray()
+    reading = _Reading(limit)
     for chunk in response.iter_bytes():
-        if len(body) + len(chunk) > limit:
-            body += chunk[: limit - len(body)]
-            return bytes(body), True
-        body += chunk
-        if time.monotonic() > deadline:
+        if reading.took(chunk):
+            break
+    return bytes(reading.body), reading.truncated
+
+
+async def aread_at_most(response: httpx.Response, limit: int) -> tuple[bytes, bool]:
+    """`read_at_most` of a response read on an event loop."""
+    reading = _Reading(limit)
+    async for chunk in response.aiter_bytes():
+        if reading.took(chunk):
+            break
+    return bytes(reading.body), reading.truncated
+
+
+class _Reading:
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.deadline = time.monotonic() + READ_DEADLINE_SECONDS
+        self.body = bytearray()
+        self.truncated = False
+
+    def took(self, chunk: bytes) -> bool:
+        """Adds a chunk; True when reading stops here (the limit reached)."""
+        if len(self.body) + len(chunk) > self.limit:
+            self.body += chunk[: self.limit - len(self.body)]
+            self.truncated = True
+            return True
+        self.body += chunk
+        if time.monotonic() > self.deadline:
             raise httpx.ReadTimeout(f"the body took over {READ_DEADLINE_SECONDS} s")
-    return bytes(body), False
+        return False

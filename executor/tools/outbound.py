@@ -1,5 +1,6 @@
-"""The HTTP client tools send their requests with (one per process, shared by its threads),
-and the allow-list of where they may send them.
+"""The HTTP clients tools send their requests with (one per process, shared by its threads;
+one per event loop for the calls a worker awaits), and the allow-list of where they may send
+them.
 
 Making an httpx client costs tens of milliseconds of CPU (its TLS context), so a client per
 call capped a worker at a few dozen calls a second. Connections are still never reused:
@@ -9,6 +10,7 @@ written, and make a request that never arrived look ambiguous (DESIGN.md §8).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import threading
 from dataclasses import dataclass
@@ -17,16 +19,34 @@ import httpx
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
+_LIMITS = httpx.Limits(max_keepalive_connections=0)
+_ASYNC_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=0)
 _client: httpx.Client | None = None
 _lock = threading.Lock()
+# The async client of each event loop (an httpx.AsyncClient belongs to the loop it was first
+# used on): the worker's call loop has one, a loop of asyncio.run one of its own.
+_async_clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
 
 
 def client() -> httpx.Client:
     global _client
     with _lock:
         if _client is None:
-            _client = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
+            _client = httpx.Client(limits=_LIMITS)
         return _client
+
+
+def async_client() -> httpx.AsyncClient:
+    """The running event loop's client (made on first use). Its connection pool is not
+    bounded here: what bounds the calls in flight is EXECUTOR_MAX_IN_FLIGHT and the tools'
+    own limits."""
+    loop = asyncio.get_running_loop()
+    with _lock:
+        for old in [other for other in _async_clients if other.is_closed()]:
+            del _async_clients[old]  # its loop is gone, and its client with it
+        if loop not in _async_clients:
+            _async_clients[loop] = httpx.AsyncClient(limits=_ASYNC_LIMITS)
+        return _async_clients[loop]
 
 
 # --- where tools may reach: EXECUTOR_HTTP_ALLOWED_HOSTS ---------------------------------------

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from django.db import connection, connections
+from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from guardian.shortcuts import assign_perm, remove_perm
@@ -22,7 +22,6 @@ from executor.models import Tool as ToolRow
 from executor.states import State
 from executor.tools.base import Invocation, ToolResult
 from tests.support import tooling
-from tests.support.postgres import end_backends
 from tests.support.tooling import PureTool, ReadTool, WriteTool, expire_lease, reload
 
 pytestmark = pytest.mark.django_db
@@ -295,7 +294,7 @@ def test_two_concurrent_drainers_never_claim_one_step_both(
 def test_write_steps_run_in_the_pool_each_called_once(
     agent: Agent, run: Run, settings: Any
 ) -> None:
-    settings.EXECUTOR_WRITE_POOL = 3
+    settings.EXECUTOR_MAX_IN_FLIGHT = 3
     steps = post_many(agent, run, "test.write", 12)
 
     assert engine.drain(worker="w1") == 12
@@ -304,75 +303,6 @@ def test_write_steps_run_in_the_pool_each_called_once(
     assert sorted(call.step_id for call in WriteTool.calls) == sorted(str(s.pk) for s in steps)
     threads = {a.worker for a in Attempt.objects.filter(step__in=steps)}
     assert threads == {"w1"}
-
-
-@pytest.fixture
-def pool_checks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The threads that asked the database whether their connection is usable (`SELECT 1`,
-    CONN_HEALTH_CHECKS' query), one entry a check."""
-    checks: list[str] = []
-    wrapper = type(connections["default"])
-    real_is_usable = wrapper.is_usable
-
-    def is_usable(self: Any) -> bool:
-        checks.append(threading.current_thread().name)
-        return real_is_usable(self)
-
-    monkeypatch.setattr(wrapper, "is_usable", is_usable)
-    return checks
-
-
-def again(agent: Agent, run: Run, prefix: str, count: int) -> list[Step]:
-    steps, _ = services.steps_post(
-        agent=agent,
-        run=run,
-        requests=[
-            services.StepRequest(f"{prefix}-{i}", "test.write", {"n": i}) for i in range(count)
-        ],
-    )
-    return steps
-
-
-@pytest.mark.postgres
-@pytest.mark.django_db(transaction=True)
-def test_pool_threads_check_their_connection_by_its_socket_not_by_a_query(
-    agent: Agent, run: Run, settings: Any, pool_checks: list[str]
-) -> None:
-    # CONN_HEALTH_CHECKS (as DATABASE_URL sets them) would make each thread's first query of
-    # a drain a SELECT 1: a round trip, and a transaction of its own, for every write step
-    # drained alone. The pool's threads look at their socket instead.
-    assert connection.settings_dict["CONN_HEALTH_CHECKS"]
-    settings.EXECUTOR_WRITE_POOL = 2
-    post_many(agent, run, "test.write", 12)
-    assert engine.drain(worker="w1") == 12  # the pool threads have connections now
-    pool_checks.clear()
-    steps = again(agent, run, "again", 12)
-
-    assert engine.drain(worker="w1") == 12
-
-    assert {reload(s).state for s in steps} == {State.COMPLETED}
-    assert not [name for name in pool_checks if name.startswith("stepward-call")], pool_checks
-
-
-@pytest.mark.postgres
-@pytest.mark.django_db(transaction=True)
-def test_a_pool_connection_the_server_ended_between_drains_is_replaced_before_a_step_uses_it(
-    agent: Agent, run: Run, settings: Any
-) -> None:
-    settings.EXECUTOR_WRITE_POOL = 2
-    post_many(agent, run, "test.write", 6)
-    assert engine.drain(worker="w1") == 6
-    # Every other session on the test database: the pool threads' (as a restart, or
-    # idle_session_timeout, would end them), waiting until each is gone.
-    ended = end_backends("backend_type = 'client backend'")
-    assert ended
-    assert all(ended)
-    steps = again(agent, run, "after", 6)
-
-    assert engine.drain(worker="w1") == 6
-
-    assert {reload(s).state for s in steps} == {State.COMPLETED}
-    assert not Attempt.objects.filter(step__in=steps).exclude(phase=Phase.RESPONDED).exists()
 
 
 @pytest.mark.django_db(transaction=True)
@@ -463,10 +393,10 @@ def test_a_claim_counts_its_runs_budgets_in_run_id_order(agent: Agent) -> None:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_batchs_reads_are_called_at_once_on_threads_of_their_own(
+def test_a_batchs_reads_are_called_in_flight_off_the_drains_thread(
     agent: Agent, run: Run, settings: Any
 ) -> None:
-    settings.EXECUTOR_WRITE_POOL = 3
+    settings.EXECUTOR_MAX_IN_FLIGHT = 3
     steps = post_many(agent, run, "test.read", 6)
     threads: list[str] = []
 
@@ -480,6 +410,6 @@ def test_a_batchs_reads_are_called_at_once_on_threads_of_their_own(
 
     assert {reload(s).state for s in steps} == {State.COMPLETED}
     assert len(ReadTool.calls) == 6
-    # Not the write pool's threads, whose queue holds the writes' backlog.
+    # A plain tool's calls run on the call loop's threads, which never touch the database.
     assert len(threads) == 6
-    assert all(name.startswith("stepward-read") for name in threads), threads
+    assert all(name.startswith("stepward-call") for name in threads), threads

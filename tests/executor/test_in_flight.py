@@ -1,0 +1,310 @@
+"""Calls in flight (DESIGN.md §16): a drain keeps many calls waiting at once, none holding a
+database connection or a thread that touches the database, and writes their commit points
+in groups: the `submitting` marks of the calls about to start in one commit, the answers
+that arrived together in another.
+
+In-process, on the test's own connection: the calls run on the call loop (executor/calls.py)
+while the drain's thread, the test's, does every write. Real workers, kills and PostgreSQL's
+backends are in tests/recovery/test_in_flight.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from io import StringIO
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+from django.core.management import call_command
+from django.db.backends.signals import connection_created
+from django.utils import timezone
+from guardian.shortcuts import assign_perm
+
+from executor import dispatch, engine, services
+from executor.models import (
+    Agent,
+    Attempt,
+    Effect,
+    HttpToolSpec,
+    Idempotency,
+    Phase,
+    Run,
+    RunStatus,
+    Step,
+)
+from executor.models import Tool as ToolRow
+from executor.states import State
+from executor.tools import http as http_tools
+from executor.tools.base import Invocation, ToolResult, register, unregister
+from tests.support import tooling
+from tests.support.slow_service import Running
+from tests.support.tooling import ScriptedTool, WriteTool, expire_lease, reload
+
+pytestmark = pytest.mark.django_db
+
+
+class Concurrency:
+    """How many calls a tool has had waiting at once."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.now = 0
+        self.peak = 0
+        self.threads: set[str] = set()
+
+    def enter(self) -> None:
+        with self.lock:
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+            self.threads.add(threading.current_thread().name)
+
+    def leave(self) -> None:
+        with self.lock:
+            self.now -= 1
+
+
+class SlowWrite(ScriptedTool):
+    """A plain (blocking) write that takes DELAY seconds."""
+
+    name = "test.slow_write"
+    effect = Effect.WRITE
+    idempotency = Idempotency.NONE
+    DELAY: ClassVar[float] = 0.3
+    seen: ClassVar[Concurrency] = Concurrency()
+
+    def invoke(self, call: Invocation) -> ToolResult:
+        self.seen.enter()
+        try:
+            time.sleep(self.DELAY)
+            return super().invoke(call)
+        finally:
+            self.seen.leave()
+
+
+class AsyncWrite(ScriptedTool):
+    """A Python tool with `async def invoke`: awaited on the worker's event loop."""
+
+    name = "test.async_write"
+    effect = Effect.WRITE
+    idempotency = Idempotency.KEY
+    seen: ClassVar[Concurrency] = Concurrency()
+
+    async def invoke(self, call: Invocation) -> ToolResult:  # type: ignore[override]
+        self.seen.enter()
+        try:
+            await asyncio.sleep(0.3)
+        finally:
+            self.seen.leave()
+        type(self).calls.append(call)
+        return ToolResult(result={"n": call.input["n"]}, external_id=f"a-{call.input['n']}")
+
+
+@pytest.fixture(autouse=True)
+def tools(agent: Agent) -> Iterator[None]:
+    SlowWrite.seen = Concurrency()
+    AsyncWrite.seen = Concurrency()
+    with tooling.installed(agent), dispatch.publishing(dispatch.dropping_publisher):
+        for cls in (SlowWrite, AsyncWrite):
+            cls.reset()
+            register(cls)
+        services.tools_sync()
+        for row in ToolRow.objects.filter(name__in=[SlowWrite.name, AsyncWrite.name]):
+            assign_perm("executor.use_tool", agent.user, row)
+        try:
+            yield
+        finally:
+            for cls in (SlowWrite, AsyncWrite):
+                unregister(cls.name)
+
+
+@pytest.fixture
+def db_threads() -> Iterator[set[str]]:
+    """The threads that opened a database connection meanwhile."""
+    opened: set[str] = set()
+
+    def note(**_: Any) -> None:
+        opened.add(threading.current_thread().name)
+
+    connection_created.connect(note)
+    try:
+        yield opened
+    finally:
+        connection_created.disconnect(note)
+
+
+def post_many(agent: Agent, run: Run, tool: str, count: int) -> list[Step]:
+    steps, _ = services.steps_post(
+        agent=agent,
+        run=run,
+        requests=[services.StepRequest(f"{tool}-{i}", tool, {"n": i}) for i in range(count)],
+    )
+    return steps
+
+
+def test_plain_writes_wait_together_on_threads_that_never_touch_the_database(
+    agent: Agent, run: Run, settings: Any, db_threads: set[str]
+) -> None:
+    settings.EXECUTOR_MAX_IN_FLIGHT = 40
+    steps = post_many(agent, run, SlowWrite.name, 40)
+
+    assert engine.drain(worker="w1") == 40
+
+    assert {reload(s).state for s in steps} == {State.COMPLETED}
+    assert len(SlowWrite.calls) == 40
+    assert SlowWrite.seen.peak == 40  # every call was waiting at once
+    assert all(name.startswith("stepward-call") for name in SlowWrite.seen.threads)
+    assert not [name for name in db_threads if name.startswith("stepward-call")], db_threads
+    # The 40 `submitting` marks were one commit (one `now`), before any call was made.
+    attempts = Attempt.objects.filter(step__in=steps)
+    assert attempts.values("submitted_at").distinct().count() == 1
+    assert set(attempts.values_list("phase", flat=True)) == {Phase.RESPONDED}
+
+
+def test_async_tools_are_awaited_on_the_event_loop(agent: Agent, run: Run, settings: Any) -> None:
+    settings.EXECUTOR_MAX_IN_FLIGHT = 100
+    steps = post_many(agent, run, AsyncWrite.name, 100)
+
+    assert engine.drain(worker="w1") == 100
+
+    assert {reload(s).state for s in steps} == {State.COMPLETED}
+    assert AsyncWrite.seen.peak == 100
+    assert AsyncWrite.seen.threads == {"stepward-calls"}  # the loop's own thread
+    assert sorted(reload(s).external_id for s in steps) == sorted(f"a-{i}" for i in range(100))
+
+
+def test_no_more_calls_than_the_limit_are_in_flight(agent: Agent, run: Run, settings: Any) -> None:
+    settings.EXECUTOR_MAX_IN_FLIGHT = 7
+    SlowWrite.DELAY = 0.1
+    try:
+        steps = post_many(agent, run, SlowWrite.name, 30)
+        assert engine.drain(worker="w1") == 30
+    finally:
+        SlowWrite.DELAY = 0.3
+
+    assert {reload(s).state for s in steps} == {State.COMPLETED}
+    assert SlowWrite.seen.peak == 7
+    assert len(SlowWrite.calls) == 30
+
+
+def test_calls_beyond_the_runs_budget_are_never_made(agent: Agent, settings: Any) -> None:
+    settings.EXECUTOR_MAX_IN_FLIGHT = 20
+    run, _ = services.run_create(agent=agent, name="capped", max_calls=5)
+    steps = post_many(agent, run, SlowWrite.name, 12)
+
+    engine.drain(worker="w1")
+
+    fresh = Run.objects.get(pk=run.pk)
+    assert (fresh.status, fresh.used_calls) == (RunStatus.PAUSED, 5)
+    assert len(SlowWrite.calls) == 5
+    states = sorted(reload(s).state for s in steps)
+    assert states == sorted([State.COMPLETED] * 5 + [State.PENDING] * 7)
+
+
+def test_a_write_whose_lease_was_taken_over_before_its_submitting_mark_is_not_called(
+    agent: Agent, run: Run
+) -> None:
+    steps = post_many(agent, run, WriteTool.name, 3)
+    claims = engine.claim(worker="A", writes=10).claims
+    taken = steps[1]
+    expire_lease(taken)
+    Step.objects.filter(pk=taken.pk).update(fence=taken.fence + 5)  # another worker's now
+
+    ready, stopped = engine.submit_many(claims, now=timezone.now())
+
+    assert [c.step.pk for c in ready] == [steps[0].pk, steps[2].pk]
+    assert stopped == {taken.pk: engine.Outcome.FENCED_OUT}
+    assert Attempt.objects.get(step=taken, worker="A").fenced_out_write == "submitting"
+    assert set(
+        Attempt.objects.filter(step__in=[steps[0], steps[2]]).values_list("phase", flat=True)
+    ) == {Phase.SUBMITTING}
+
+
+def test_answers_that_arrive_together_are_committed_together(
+    agent: Agent, run: Run, settings: Any
+) -> None:
+    # Ten writes answered at once: their responses are stored in one commit and their
+    # completions in one more, not two commits each.
+    settings.EXECUTOR_MAX_IN_FLIGHT = 10
+    steps = post_many(agent, run, SlowWrite.name, 10)
+    with pytest.MonkeyPatch.context() as patch:
+        groups: list[int] = []
+        real = engine.store_answers
+
+        def store(claims: Any, answers: Any, *, target: State) -> dict[Any, str]:
+            groups.append(len(claims))
+            return real(claims, answers, target=target)
+
+        patch.setattr(engine, "store_answers", store)
+        # All ten answer at the same moment (the tool sleeps, then they wait here).
+        gate = threading.Barrier(10)
+        SlowWrite.will(*[lambda call: (gate.wait(30), ToolResult(result={}))[1]] * 10)
+        assert engine.drain(worker="w1") == 10
+
+    assert {reload(s).state for s in steps} == {State.COMPLETED}
+    assert sum(groups) == 10
+    assert len(groups) < 10  # grouped (how many groups depends on when each arrived)
+
+
+# --- HTTP tools on the async client, against a slow service ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def slow_service() -> Iterator[Running]:
+    service = Running(latency=0.5)
+    yield service
+    service.stop()
+
+
+@pytest.fixture
+def slow_tool(slow_service: Running, agent: Agent, settings: Any, tmp_path: Path) -> Iterator[str]:
+    slow_service.reset()
+    settings.EXECUTOR_HTTP_ALLOWED_HOSTS = [f"127.0.0.1:{slow_service.port}"]
+    path = tmp_path / "slow.toml"
+    path.write_text(
+        "[[tool]]\n"
+        'name = "slow.create"\n'
+        'effect = "write"\n'
+        'method = "POST"\n'
+        f'url = "{slow_service.url}/effects"\n'
+        'idempotency = "header"\n'
+        'external_id = "id"\n'
+    )
+    call_command("load_tools", str(path), stdout=StringIO())
+    assign_perm("executor.use_tool", agent.user, ToolRow.objects.get(name="slow.create"))
+    yield "slow.create"
+    for spec in HttpToolSpec.objects.all():
+        unregister(spec.name)
+    http_tools._mine.clear()
+
+
+def test_http_tools_wait_on_the_async_client_each_key_sent_once(
+    agent: Agent, run: Run, settings: Any, slow_service: Running, slow_tool: str
+) -> None:
+    settings.EXECUTOR_MAX_IN_FLIGHT = 60
+    steps = post_many(agent, run, slow_tool, 60)
+
+    assert engine.drain(worker="w1") == 60
+
+    assert {reload(s).state for s in steps} == {State.COMPLETED}
+    stats = slow_service.stats()
+    assert stats["peak_in_flight"] == 60
+    assert stats["requests"] == stats["effects"] == 60
+    assert set(stats["effects_by_key"].values()) == {1}
+    assert {str(s.operation_id) for s in steps} == set(stats["effects_by_key"])
+    assert len({reload(s).external_id for s in steps}) == 60
+
+
+def test_the_drains_connection_is_the_only_one_its_calls_use(
+    agent: Agent, run: Run, settings: Any, slow_tool: str, db_threads: set[str]
+) -> None:
+    settings.EXECUTOR_MAX_IN_FLIGHT = 30
+    post_many(agent, run, slow_tool, 30)
+
+    assert engine.drain(worker="w1") == 30
+
+    # Only the lease keeper opens a connection of its own; no call does.
+    assert db_threads <= {"stepward-leases"}, db_threads
