@@ -190,7 +190,8 @@ class WorkspaceAdmin(GuardedModelAdmin):
 
 @admin.register(Tool)
 class ToolAdmin(GuardedModelAdmin):
-    """Declarations mirror the code's registry; only who may use a tool is edited here."""
+    """Declarations mirror the code's registry; here an admin grants who may use a tool and
+    may override its limits (API.md "Slow tools"), nothing else."""
 
     list_display = [
         "name",
@@ -204,7 +205,7 @@ class ToolAdmin(GuardedModelAdmin):
     ]
     list_filter = ["effect", "idempotency", "requires_approval", "has_lookup", "registered"]
     search_fields = ["name", "compensation"]
-    fields = readonly_fields = (
+    readonly_fields = (
         "name",
         "description",
         "effect",
@@ -214,8 +215,11 @@ class ToolAdmin(GuardedModelAdmin):
         "has_lookup",
         "policy_version",
         "registered",
+        "max_in_flight",
+        "rate",
         "updated_at",
     )
+    fields = (*readonly_fields[:-1], "max_in_flight_override", "rate_override", "updated_at")
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
@@ -224,12 +228,9 @@ class ToolAdmin(GuardedModelAdmin):
         return False
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        # No tool row is editable: the registry rewrites it after every migrate. The
-        # model-level answer stays yes because guardian's "Object permissions" pages ask
-        # it (without an object) before letting an admin grant `use_tool`.
-        if obj is not None:
-            return False
-        return super().has_change_permission(request)
+        # Only the limits' overrides are editable (`fields`); the registry rewrites the
+        # rest after every migrate. guardian's "Object permissions" pages ask this too.
+        return super().has_change_permission(request, obj)
 
     @admin.display(description="description")
     def description(self, tool: Tool) -> str:
@@ -264,8 +265,14 @@ class HttpToolSpecForm(forms.ModelForm):
             "retry",
             "redact",
             "timeout_seconds",
+            "max_in_flight",
+            "rate",
         ]
         help_texts = {
+            "max_in_flight": "Calls of this tool in flight at once across all workers; "
+            "empty for no limit.",
+            "rate": "Calls started per period across all workers: 20/s, 600/m, 1000/h; "
+            "empty for no limit.",
             "headers": "A JSON object; values may read the environment at call time: "
             '{"Authorization": "Bearer ${CRM_TOKEN}"}. The secret itself is never stored.',
             "url": "Its host must be in EXECUTOR_HTTP_ALLOWED_HOSTS. {field} takes the "

@@ -26,6 +26,7 @@ import os
 import random
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -40,7 +41,17 @@ from django.db import connection, transaction
 from django.db.models import F, Q, QuerySet
 from django.utils import timezone
 
-from executor import bulk, calls, dispatch, faults, logcontext, policy, progress, transitions
+from executor import (
+    bulk,
+    calls,
+    dispatch,
+    faults,
+    logcontext,
+    policy,
+    progress,
+    tool_limits,
+    transitions,
+)
 from executor.bulk import update_rows
 from executor.models import (
     OPEN_PHASES,
@@ -157,7 +168,8 @@ def _locked(steps: QuerySet[Step]) -> QuerySet[Step]:
     On SQLite (no SKIP LOCKED) the claim's transaction is IMMEDIATE: it holds the database's
     write lock from its first statement, so what it reads nobody else can claim meanwhile.
     """
-    steps = steps.select_related("run", "run__workspace", "run__agent", "run__agent__user")
+    # The tool's row too: its limits (executor/tool_limits.py) come with the step.
+    steps = steps.select_related("run", "run__workspace", "run__agent", "run__agent__user", "tool")
     if connection.vendor == "postgresql":
         steps = steps.select_for_update(skip_locked=True, of=("self",))
     return steps
@@ -168,11 +180,14 @@ def _locked(steps: QuerySet[Step]) -> QuerySet[Step]:
 DUE_ORDER = ("not_before", "position")
 
 
-def _due_steps(*, light: int, writes: int, now: datetime) -> list[Step]:
+def _due_steps(*, light: int, writes: int, now: datetime, full: Sequence[str] = ()) -> list[Step]:
     """Up to `light` due pure/read steps and `writes` due write steps of open runs, oldest
-    first, a run's steps due together in posting order. The tool's effect comes from the Tool
-    table (what decides is the registry's; this only sizes the batch)."""
+    first, a run's steps due together in posting order, none of the tools in `full` (at
+    their limit). The tool's effect comes from the Tool table (what decides is the
+    registry's; this only sizes the batch)."""
     due = Step.objects.due(now).of_open_runs()
+    if full:
+        due = due.exclude(tool_id__in=full)
     rows: list[Step] = []
     if light > 0:
         rows += _locked(due.filter(tool__effect__in=LIGHT_EFFECTS).order_by(*DUE_ORDER))[:light]
@@ -181,12 +196,42 @@ def _due_steps(*, light: int, writes: int, now: datetime) -> list[Step]:
     return rows
 
 
+def _within_limits(rows: list[Step], *, now: datetime) -> tuple[list[Step], set[str]]:
+    """`rows` less those of tools without room now (API.md "Slow tools"), counted under the
+    lock of each limited tool's row so that two claims never share one room; and the tools
+    whose steps were left (held back, still `pending`)."""
+    limits = {
+        step.tool_id: limit
+        for step in rows
+        if (limit := tool_limits.effective(step.tool)) is not None
+    }
+    if not limits:
+        return rows, set()
+    wanted: dict[str, int] = {}
+    for step in rows:
+        if step.tool_id in limits:
+            wanted[step.tool_id] = wanted.get(step.tool_id, 0) + 1
+    rooms = tool_limits.allot(wanted, limits, now=now)
+    kept: list[Step] = []
+    full: set[str] = set()
+    for step in rows:
+        if step.tool_id in rooms:
+            if rooms[step.tool_id] <= 0:
+                full.add(step.tool_id)
+                continue
+            rooms[step.tool_id] -= 1
+        kept.append(step)
+    return kept, full
+
+
 @dataclass
 class Batch:
     """What one claim took (`claims`) and where every step it looked at ended (`outcomes`)."""
 
     claims: list[Claim] = field(default_factory=list)
     outcomes: dict[Any, str] = field(default_factory=dict)
+    # The tools whose due steps it left pending, at their limit (API.md "Slow tools").
+    full: set[str] = field(default_factory=set)
 
 
 def claim(
@@ -196,6 +241,7 @@ def claim(
     light: int = 0,
     writes: int = 0,
     now: datetime | None = None,
+    skip_tools: Sequence[str] = (),
 ) -> Batch:
     """Takes the leases on a batch of due pending steps and decides their authorization, in
     one commit (DESIGN.md §5 points 2 to 4, §14).
@@ -205,7 +251,7 @@ def claim(
     read steps that may go on are also past their `submitting` point (usage counted) when
     this returns; write steps are `claimed`. Steps that may not go on end blocked, cancelled,
     or pending in a paused run, each with its closed attempt, exactly as one step claimed
-    alone would.
+    alone would. Steps of `skip_tools` (found at their limit a moment ago) are not looked at.
     """
     now = now or timezone.now()
     batch = Batch()
@@ -216,8 +262,11 @@ def claim(
             rows = list(_locked(Step.objects.filter(pk__in=step_ids, state=State.PENDING)))
         named = {step.pk for step in rows}
         rows += [
-            step for step in _due_steps(light=light, writes=writes, now=now) if step.pk not in named
+            step
+            for step in _due_steps(light=light, writes=writes, now=now, full=skip_tools)
+            if step.pk not in named
         ]
+        rows, batch.full = _within_limits(rows, now=now)
         taken: list[Step] = []
         for step in rows:
             if step.run.status == RunStatus.CANCELLED:
@@ -1260,16 +1309,23 @@ def _drain(*, worker: str, limit: int | None, hint: Any = None) -> Drained:
     size = settings.EXECUTOR_BATCH_SIZE
     drained = Drained()
     named = [hint] if hint is not None else []
+    held = HeldBack()
     with LeaseKeeper() as keeper:
         flight = InFlight(settings.EXECUTOR_MAX_IN_FLIGHT, keeper, drained.ends)
         try:
             while named or drained.claimed < limit:
                 room = min(size, limit - drained.claimed)
                 writes = flight.room(room)
-                batch = claim(worker=worker, step_ids=named, light=room, writes=writes)
+                skipped = held.skipped()
+                batch = claim(
+                    worker=worker, step_ids=named, light=room, writes=writes, skip_tools=skipped
+                )
+                held.found_full(batch.full)
+                held_back = bool(batch.full or skipped)
                 named = []
                 drained.ends.update(batch.outcomes)
                 if batch.claims:
+                    held.reset()
                     drained.claimed += len(batch.claims)
                     keeper.hold(batch.claims)
                     # Pure steps wait on nothing: they run here, at once. With no calls in
@@ -1284,10 +1340,13 @@ def _drain(*, worker: str, limit: int | None, hint: Any = None) -> Drained:
                     continue  # only refusals: look again
                 elif flight.busy():
                     # Nothing due that there is room for: commit answers as they come, and
-                    # look for new work at least every LOOK_SECONDS.
-                    flight.collect(wait_seconds=LOOK_SECONDS)
+                    # look for new work at least every LOOK_SECONDS (more often while a
+                    # tool's limit holds steps back: its room comes back with time too).
+                    flight.collect(wait_seconds=HELD_SECONDS if held_back else LOOK_SECONDS)
                 elif writes == 0 < room:
                     continue  # no room when this claim looked: look for writes now
+                elif held_back and held.wait():
+                    continue  # only steps a tool's limit holds back: look again soon
                 else:
                     break
         finally:
@@ -1296,8 +1355,51 @@ def _drain(*, worker: str, limit: int | None, hint: Any = None) -> Drained:
 
 
 # How long a drain with calls in flight and nothing due waits for an answer before it looks
-# for new work again.
+# for new work again; and as often while a tool's limit holds steps back.
 LOOK_SECONDS = 0.5
+HELD_SECONDS = 0.05
+
+
+class HeldBack:
+    """What a drain knows of the tools at their limit (API.md "Slow tools").
+
+    A tool found without room is skipped by the drain's claims for SKIP_SECONDS, so that its
+    due steps, oldest first, do not fill every batch and hide other tools' steps; then it is
+    looked at again. A drain with nothing to do but such steps looks again after a wait that
+    doubles (from HELD_SECONDS to 1 s), for at most HOLD_SECONDS in all; then it ends, and
+    the sweeper's redispatch of due steps (EXECUTOR_REDISPATCH_AFTER) wakes a worker for
+    them later: a tool limited to a few calls an hour holds no worker.
+    """
+
+    HOLD_SECONDS = 5.0
+    SKIP_SECONDS = 0.2
+
+    def __init__(self) -> None:
+        self.reset()
+        self._full: dict[str, float] = {}
+
+    def found_full(self, tools: set[str]) -> None:
+        until = time.monotonic() + self.SKIP_SECONDS
+        self._full.update((tool, until) for tool in tools)
+
+    def skipped(self) -> list[str]:
+        now = time.monotonic()
+        self._full = {tool: until for tool, until in self._full.items() if until > now}
+        return sorted(self._full)
+
+    def reset(self) -> None:
+        self.pause = HELD_SECONDS
+        self.since: float | None = None
+
+    def wait(self) -> bool:
+        """Waits before the next look; False (no wait) once HOLD_SECONDS have passed."""
+        now = time.monotonic()
+        self.since = self.since if self.since is not None else now
+        if now - self.since >= self.HOLD_SECONDS:
+            return False
+        time.sleep(self.pause)
+        self.pause = min(1.0, self.pause * 2)
+        return True
 
 
 def _called_here(tool: Tool, flight: InFlight) -> bool:

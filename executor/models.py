@@ -16,6 +16,8 @@ from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.core.validators import MinValueValidator
 from django.db import models
 from django.db.models import Q
 from django.utils import timezone
@@ -24,7 +26,7 @@ from guardian.models import GroupObjectPermissionBase, UserObjectPermissionBase
 from executor.states import LEASED, State
 
 # The tool contract's vocabulary: the Tool table mirrors what tools declare.
-from executor.tools.base import ApprovalPolicy, ApprovalRule, Effect, Idempotency
+from executor.tools.base import ApprovalPolicy, ApprovalRule, Effect, Idempotency, rate_problem
 
 # Integers beyond this are compared as the floats JSON stores them as (jsonb normalizes).
 EXACT_INTEGERS = 2**53
@@ -96,6 +98,13 @@ class WorkspaceGroupObjectPermission(GroupObjectPermissionBase):
     content_object = models.ForeignKey(Workspace, on_delete=models.CASCADE)
 
 
+def validate_rate(value: str) -> None:
+    """A rate like 20/s, 600/m or 1000/h (executor/tool_limits.py), or empty."""
+    problem = rate_problem(value) if value else ""
+    if problem:
+        raise ValidationError(problem)
+
+
 class Tool(models.Model):
     """The database mirror of a registered tool, so guardian can grant `use_tool` on it."""
 
@@ -109,6 +118,30 @@ class Tool(models.Model):
     registered = models.BooleanField(
         default=True, help_text="False when the code no longer registers this tool."
     )
+    # Limits across every worker (API.md "Slow tools", executor/tool_limits.py): what the
+    # tool declares, mirrored here, and an admin's override of each, which wins.
+    max_in_flight = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Declared: calls of this tool in flight at once."
+    )
+    rate = models.CharField(
+        max_length=20, blank=True, help_text="Declared: calls started per period, e.g. 20/s."
+    )
+    max_in_flight_override = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Calls in flight at once across all workers; wins over the declaration.",
+    )
+    rate_override = models.CharField(
+        max_length=20,
+        blank=True,
+        validators=[validate_rate],
+        help_text="Calls started per period across all workers (20/s, 600/m, 1000/h); wins "
+        "over the declaration.",
+    )
+    # The rate's token bucket (executor/tool_limits.py), written by the claims that take it.
+    rate_tokens = models.FloatField(null=True, blank=True, editable=False)
+    rate_refilled_at = models.DateTimeField(null=True, blank=True, editable=False)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -172,6 +205,9 @@ class HttpToolSpec(models.Model):
     retry = models.JSONField(default=dict, blank=True)
     redact = models.JSONField(default=list, blank=True)
     timeout_seconds = models.FloatField(default=10.0)
+    # Limits across every worker (API.md "Slow tools"): empty for none.
+    max_in_flight = models.PositiveIntegerField(null=True, blank=True)
+    rate = models.CharField(max_length=20, blank=True, validators=[validate_rate])
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:

@@ -18,7 +18,14 @@ import jsonschema
 
 from executor.models import McpUpstream
 from executor.tools import http as http_tools
-from executor.tools.base import ApprovalRule, Effect, RetryPolicy, validator_class
+from executor.tools.base import (
+    ApprovalRule,
+    Effect,
+    RetryPolicy,
+    max_in_flight_problem,
+    rate_problem,
+    validator_class,
+)
 
 NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
 HEADER_NAME = http_tools.HEADER_NAME
@@ -58,6 +65,8 @@ TOOL_FIELDS = (
     "external_id",
     "external_id_from_text",
     "on_error",
+    "max_in_flight",
+    "rate",
 )
 # What an error answer the gateway cannot read means for a write: it failed (the default),
 # or its effect is unknown (an upstream that may fail after acting).
@@ -205,6 +214,10 @@ def _tool_entry_problems(
                 )
         except re.error as error:
             problems.append((".external_id_from_text", f"is not a regular expression: {error}"))
+    if "max_in_flight" in entry and max_in_flight_problem(entry["max_in_flight"]):
+        problems.append((".max_in_flight", max_in_flight_problem(entry["max_in_flight"])))
+    if "rate" in entry and rate_problem(entry["rate"]):
+        problems.append((".rate", rate_problem(entry["rate"])))
     if "timeout" in entry and not _seconds(entry["timeout"]):
         problems.append((".timeout", f"must be seconds, more than 0 and at most {MAX_TIMEOUT:g}"))
     compensation = entry.get("compensation", "")
@@ -265,6 +278,9 @@ class Declared:
     external_id_from_text: str = ""
     # "unknown": an error answer it cannot read leaves a write's effect unknown (a person).
     on_error: str = "failed"
+    # Limits across every worker (API.md "Slow tools").
+    max_in_flight: int | None = None
+    rate: str = ""
     # Where each declaration came from ("tools", "annotations", "defaults", "stepward").
     sources: tuple[tuple[str, str], ...] = ()
 
@@ -306,6 +322,8 @@ def declarations(row: McpUpstream, listed: Mapping[str, Any]) -> Declared:
         external_id=str(entry.get("external_id", "")),
         external_id_from_text=str(entry.get("external_id_from_text", "")),
         on_error=str(entry.get("on_error", "failed")),
+        max_in_flight=entry.get("max_in_flight"),
+        rate=str(entry.get("rate", "")),
         sources=tuple(sources),
     )
 

@@ -329,6 +329,8 @@ def tool_class(row: McpUpstream, listed: Mapping[str, Any]) -> type[UpstreamTool
         "retry": declared.retry,
         "input_schema": schema,
         "redact": declared.redact,
+        "max_in_flight": declared.max_in_flight,
+        "rate": declared.rate,
     }
     cls = type(f"UpstreamTool_{re.sub(r'\W', '_', name)}", (UpstreamTool,), attributes)
     check_declarations(cls)

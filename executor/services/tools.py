@@ -42,6 +42,8 @@ def tools_sync(*, using: str = "default") -> None:
                 "has_lookup": tool.has_lookup(),
                 "policy_version": tool.policy_version(),
                 "registered": True,
+                "max_in_flight": tool.max_in_flight,
+                "rate": tool.rate,
             },
         )
     Tool.objects.using(using).exclude(name__in=registered).update(registered=False)

@@ -202,6 +202,11 @@ class Tool:
     # matches; "" accepts any): a person's "it happened" must name one of that form.
     external_id_pattern: ClassVar[str] = ""
     external_id_example: ClassVar[str] = ""
+    # Limits across every worker (API.md "Slow tools"): calls in flight at once, and calls
+    # started per period ("20/s", "600/m", "1000/h"); None and "" for none. A tool at its
+    # limit leaves its steps pending. An admin may override both on the tool's row.
+    max_in_flight: ClassVar[int | None] = None
+    rate: ClassVar[str] = ""
     # Where the tool is defined: code ("code"), an HTTP tool's row ("http"), an MCP
     # upstream's listing ("upstream"). Of several that take one name, PRECEDENCE decides.
     defined_by: ClassVar[str] = "code"
@@ -389,6 +394,50 @@ def validator_class(schema: Any) -> type[Validator]:
 _registry: dict[str, Tool] = {}
 
 
+# --- per-tool limits (API.md "Slow tools"; the engine's accounting: executor/tool_limits.py)
+
+RATE_PATTERN = re.compile(r"\s*(\d+)\s*/\s*(s|sec|second|m|min|minute|h|hour)\s*")
+PERIODS = {"s": 1, "sec": 1, "second": 1, "m": 60, "min": 60, "minute": 60}
+PERIODS |= {"h": 3600, "hour": 3600}
+
+
+@dataclass(frozen=True)
+class Rate:
+    calls: int
+    seconds: int
+
+    def __str__(self) -> str:
+        unit = {1: "s", 60: "m", 3600: "h"}[self.seconds]
+        return f"{self.calls}/{unit}"
+
+
+def parse_rate(text: str) -> Rate | None:
+    """`"20/s"`, `"600/m"`, `"1000/h"` as a Rate; None for ""; ValueError for anything else."""
+    if not text:
+        return None
+    match = RATE_PATTERN.fullmatch(text)
+    if not match or int(match.group(1)) < 1:
+        raise ValueError(f"{text!r} is not a rate like 20/s, 600/m or 1000/h (at least 1)")
+    return Rate(int(match.group(1)), PERIODS[match.group(2)])
+
+
+def rate_problem(value: Any) -> str:
+    """Why `value` cannot be a tool's `rate`; "" when it can."""
+    if not isinstance(value, str):
+        return "must be a string like 20/s, 600/m or 1000/h"
+    try:
+        parse_rate(value)
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def max_in_flight_problem(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return "must be a whole number of calls, at least 1"
+    return ""
+
+
 def awaitable(tool: Tool) -> Callable[[Invocation], Awaitable[ToolResult]] | None:
     """The tool's call as a coroutine function where it has one (an `async def invoke`, or
     an `ainvoke` beside a plain one); None for a plain tool."""
@@ -421,6 +470,12 @@ def check_declarations(cls: type[Tool]) -> None:
         raise RegistrationError(f"tool {cls.name}: an authoritative lookup needs a lookup()")
     if cls.invoke is Tool.invoke:
         raise RegistrationError(f"tool {cls.name} does not implement invoke()")
+    if cls.max_in_flight is not None and max_in_flight_problem(cls.max_in_flight):
+        raise RegistrationError(
+            f"tool {cls.name}: max_in_flight {max_in_flight_problem(cls.max_in_flight)}"
+        )
+    if rate_problem(cls.rate) if cls.rate else False:
+        raise RegistrationError(f"tool {cls.name}: rate: {rate_problem(cls.rate)}")
     try:
         validator_class(cls.input_schema).check_schema(cls.input_schema)
     except jsonschema.SchemaError as error:

@@ -43,6 +43,8 @@ from executor.tools.base import (
     all_tools,
     check_declarations,
     install,
+    max_in_flight_problem,
+    rate_problem,
     uninstall,
 )
 from executor.tools.rows import RowSource
@@ -73,6 +75,8 @@ FIELDS = {
     "retry": "retry",
     "redact": "redact",
     "timeout": "timeout_seconds",
+    "max_in_flight": "max_in_flight",
+    "rate": "rate",
 }
 REQUIRED = ("name", "effect", "url")
 
@@ -165,6 +169,10 @@ def spec_errors(spec: Mapping[str, Any], *, tools: Iterable[str] = ()) -> list[s
     timeout = spec.get("timeout", 10.0)
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= 300:
         bad("timeout", "must be seconds, more than 0 and at most 300")
+    if "max_in_flight" in spec and max_in_flight_problem(spec["max_in_flight"]):
+        bad("max_in_flight", max_in_flight_problem(spec["max_in_flight"]))
+    if "rate" in spec and rate_problem(spec["rate"]):
+        bad("rate", rate_problem(spec["rate"]))
     compensation = spec.get("compensation", "")
     if isinstance(compensation, str) and compensation and compensation not in set(tools):
         bad("compensation", f"names no tool: {compensation!r}")
@@ -428,6 +436,8 @@ def tool_class(spec: HttpToolSpec) -> type[HttpTool]:
         "retry": retry,
         "input_schema": spec.input_schema or {"type": "object"},
         "redact": frozenset(spec.redact),
+        "max_in_flight": spec.max_in_flight,
+        "rate": spec.rate,
         "lookup_authoritative": bool(spec.lookup_url),
     }
     if not spec.lookup_url:

@@ -133,7 +133,7 @@ def test_ledger_models_have_no_add_button_and_refuse_add(
     assert model._default_manager.count() == before
 
 
-@pytest.mark.parametrize("model", [*READ_ONLY_MODELS, Tool], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("model", READ_ONLY_MODELS, ids=lambda m: m.__name__)
 def test_ledger_models_render_a_read_only_view_and_refuse_changes(
     admin_client: Client, ledger: dict[type[Any], Any], model: type[Any]
 ) -> None:
@@ -295,6 +295,34 @@ def test_tool_use_can_be_granted_through_the_object_permissions_page(
     assert page.status_code == 200
     assert posted.status_code == 302
     assert reviewer.has_perm("executor.use_tool", Tool.objects.get(pk=tool.pk))
+
+
+def test_a_tools_page_edits_its_limits_overrides_and_nothing_else(
+    admin_client: Client, ledger: dict[type[Any], Any]
+) -> None:
+    tool = ledger[Tool]
+    url = admin_url(Tool, "change", tool.pk)
+    before = Tool.objects.filter(pk=tool.pk).values("effect", "requires_approval").get()
+
+    bad = admin_client.post(url, {"max_in_flight_override": "0", "rate_override": "fast"})
+    good = admin_client.post(
+        url,
+        {
+            "max_in_flight_override": "4",
+            "rate_override": "20/s",
+            "effect": "destructive",  # read-only: ignored
+            "requires_approval": "always",
+        },
+    )
+
+    assert bad.status_code == 200  # the form again, with its errors
+    errors = str(bad.context["adminform"].form.errors)
+    assert "greater than or equal to 1" in errors
+    assert "is not a rate like 20/s" in errors
+    assert good.status_code == 302
+    fresh = Tool.objects.get(pk=tool.pk)
+    assert (fresh.max_in_flight_override, fresh.rate_override) == (4, "20/s")
+    assert Tool.objects.filter(pk=tool.pk).values("effect", "requires_approval").get() == before
 
 
 def test_run_page_links_to_its_steps(admin_client: Client, ledger: dict[type[Any], Any]) -> None:

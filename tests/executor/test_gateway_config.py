@@ -344,3 +344,13 @@ def test_a_result_keeps_its_text_and_structured_content_storable_and_bounded() -
     assert "structured" not in body
     assert body["structured_cut"].endswith("characters, not kept")
     assert body["other_content"] == [{"type": "image", "mime_type": "image/png"}]
+
+
+def test_an_upstream_tools_entry_declares_its_limits() -> None:
+    limited = {"git_commit": {"max_in_flight": 1, "rate": "30/m"}}
+    cls = tool_class(row(tool_settings=limited), COMMIT)
+    assert (cls.max_in_flight, cls.rate) == (1, "30/m")
+
+    found = problems(tools={"git_commit": {"max_in_flight": 0, "rate": "often"}})
+    assert any("git_commit.max_in_flight" in problem for problem in found), found
+    assert any("git_commit.rate" in problem and "'often'" in problem for problem in found)

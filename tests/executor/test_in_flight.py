@@ -308,3 +308,136 @@ def test_the_drains_connection_is_the_only_one_its_calls_use(
 
     # Only the lease keeper opens a connection of its own; no call does.
     assert db_threads <= {"stepward-leases"}, db_threads
+
+
+# --- per-tool limits (API.md "Slow tools") ---------------------------------------------------
+
+
+class LimitedWrite(SlowWrite):
+    """A slow write whose API takes 3 calls at a time."""
+
+    name = "test.limited_write"
+    max_in_flight = 3
+    seen: ClassVar[Concurrency] = Concurrency()
+
+
+class RatedRead(ScriptedTool):
+    name = "test.rated_read"
+    effect = Effect.READ
+    idempotency = Idempotency.NONE
+    rate = "5/s"
+
+
+@pytest.fixture
+def limited(agent: Agent) -> Iterator[None]:
+    LimitedWrite.seen = Concurrency()
+    for cls in (LimitedWrite, RatedRead):
+        cls.reset()
+        register(cls)
+    services.tools_sync()
+    for row in ToolRow.objects.filter(name__in=[LimitedWrite.name, RatedRead.name]):
+        assign_perm("executor.use_tool", agent.user, row)
+    yield
+    for cls in (LimitedWrite, RatedRead):
+        unregister(cls.name)
+
+
+def test_the_declared_limits_are_mirrored_into_the_tools_row(limited: None) -> None:
+    row = ToolRow.objects.get(name=LimitedWrite.name)
+    assert (row.max_in_flight, row.rate) == (3, "")
+    assert ToolRow.objects.get(name=RatedRead.name).rate == "5/s"
+
+
+def test_a_tool_at_its_limit_leaves_its_steps_pending(
+    agent: Agent, run: Run, limited: None
+) -> None:
+    steps = post_many(agent, run, LimitedWrite.name, 5)
+
+    batch = engine.claim(worker="A", writes=10)
+
+    assert len(batch.claims) == 3
+    assert batch.full == {LimitedWrite.name}
+    left = [reload(s) for s in steps if s.pk not in {c.step.pk for c in batch.claims}]
+    assert [(s.state, s.attempt_count) for s in left] == [(State.PENDING, 0)] * 2
+    # While the three are leased, another claim takes none of the tool's steps.
+    assert engine.claim(worker="B", writes=10).claims == []
+
+
+def test_max_in_flight_holds_while_a_drain_has_room_for_more(
+    agent: Agent, run: Run, settings: Any, limited: None
+) -> None:
+    settings.EXECUTOR_MAX_IN_FLIGHT = 50
+    LimitedWrite.DELAY = 0.1
+    try:
+        steps = post_many(agent, run, LimitedWrite.name, 12)
+        assert engine.drain(worker="w1") == 12
+    finally:
+        LimitedWrite.DELAY = 0.3
+
+    assert {reload(s).state for s in steps} == {State.COMPLETED}
+    assert LimitedWrite.seen.peak == 3
+
+
+def test_an_admins_override_wins_over_the_declaration(
+    agent: Agent, run: Run, settings: Any, limited: None
+) -> None:
+    settings.EXECUTOR_MAX_IN_FLIGHT = 50
+    ToolRow.objects.filter(name=LimitedWrite.name).update(max_in_flight_override=1)
+    LimitedWrite.DELAY = 0.05
+    try:
+        post_many(agent, run, LimitedWrite.name, 6)
+        assert engine.drain(worker="w1") == 6
+    finally:
+        LimitedWrite.DELAY = 0.3
+
+    assert LimitedWrite.seen.peak == 1
+
+
+def test_a_rate_is_a_bucket_of_its_calls_refilled_at_the_rate(
+    agent: Agent, run: Run, settings: Any, limited: None
+) -> None:
+    settings.EXECUTOR_MAX_IN_FLIGHT = 50
+    steps = post_many(agent, run, RatedRead.name, 12)
+
+    assert engine.drain(worker="w1") == 12
+
+    assert {reload(s).state for s in steps} == {State.COMPLETED}
+    times = sorted(Attempt.objects.filter(step__in=steps).values_list("claimed_at", flat=True))
+    assert len(times) == 12
+    # "5/s": at most 5 at once, then one more each 0.2 s — in any stretch of the drain, at
+    # most 5 + 5 x its length in seconds (claim times are the bucket's own clock).
+    for i, first in enumerate(times):
+        for j in range(i, len(times)):
+            seconds = (times[j] - first).total_seconds()
+            assert j - i + 1 <= 5 + 5 * seconds + 1e-6, (i, j, seconds)
+
+
+def test_steps_of_a_tool_at_its_limit_do_not_hide_other_tools_steps(
+    agent: Agent, run: Run, settings: Any, limited: None
+) -> None:
+    settings.EXECUTOR_MAX_IN_FLIGHT = 50
+    settings.EXECUTOR_BATCH_SIZE = 10
+    limited_steps = post_many(agent, run, LimitedWrite.name, 20)  # the oldest due
+    others = post_many(agent, run, AsyncWrite.name, 5)
+
+    assert engine.drain(worker="w1") == 25
+
+    def claimed(step: Step) -> Any:
+        return Attempt.objects.get(step=step).claimed_at
+
+    # The others were claimed while the limited tool's first three calls were in flight,
+    # not after its twenty.
+    fourth = sorted(claimed(s) for s in limited_steps)[3]
+    assert max(claimed(s) for s in others) < fourth
+
+
+def test_a_tool_table_with_a_bad_limit_is_refused_naming_the_field(settings: Any) -> None:
+    settings.EXECUTOR_HTTP_ALLOWED_HOSTS = ["127.0.0.1:9"]
+    table = {"name": "x.create", "effect": "write", "url": "http://127.0.0.1:9/x"}
+
+    assert http_tools.spec_errors(table) == []
+    rate = "'fast' is not a rate like 20/s, 600/m or 1000/h (at least 1)"
+    assert http_tools.spec_errors({**table, "rate": "fast", "max_in_flight": 0}) == [
+        "tool x.create: field 'max_in_flight': must be a whole number of calls, at least 1",
+        f"tool x.create: field 'rate': {rate}",
+    ]

@@ -22,7 +22,7 @@ from django.db import connection
 from guardian.shortcuts import assign_perm
 
 from executor import services
-from executor.models import Agent, HttpToolSpec, Run, Step
+from executor.models import Agent, Attempt, HttpToolSpec, Run, Step
 from executor.models import Tool as ToolRow
 from executor.states import State
 from executor.tools import http as http_tools
@@ -192,3 +192,59 @@ def test_a_kill_between_answers_and_their_group_commit_loses_only_the_answers(
     # Every plain call was answered or in flight when the group's commit died: its answer
     # was never stored, so a person decides.
     assert {s.state for s in plain_done} == {State.UNKNOWN}
+
+
+LIMITED_TOOLS = """
+[[tool]]
+name = "slow.limited"
+effect = "write"
+method = "POST"
+url = "@URL@/effects"
+idempotency = "header"
+max_in_flight = 5
+
+[[tool]]
+name = "slow.rated"
+effect = "write"
+method = "POST"
+url = "@URL@/effects"
+idempotency = "header"
+rate = "10/s"
+"""
+
+
+def test_a_tools_limits_hold_across_two_worker_processes(
+    cluster: Cluster,
+    service: Running,
+    slow_tools: dict[str, str],
+    agent: Agent,
+    run: Run,
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "limited.toml"
+    path.write_text(LIMITED_TOOLS.replace("@URL@", service.url))
+    call_command("load_tools", str(path), stdout=StringIO())
+    for row in ToolRow.objects.filter(name__in=["slow.limited", "slow.rated"]):
+        assign_perm("executor.use_tool", agent.user, row)
+    for name in ("w1", "w2"):
+        cluster.worker(name).start(**slow_tools)
+
+    # max_in_flight 5: the service never sees more than 5 of its calls at once.
+    limited = settled(cluster, post(agent, run, "slow.limited", 30), seconds=180)
+    stats = service.stats()
+    assert {s.state for s in limited} == {State.COMPLETED}, cluster.diagnose()
+    assert stats["peak_in_flight"] == 5, stats["peak_in_flight"]
+    assert set(stats["effects_by_key"].values()) == {1}
+
+    # rate 10/s across both: in any stretch, at most 10 + 10 x its length in seconds, by
+    # the claims' clocks (+1: a claim reads its clock before it waits for the tool's lock,
+    # so two claims' clocks may be a moment out of their order).
+    rated = settled(cluster, post(agent, run, "slow.rated", 40), seconds=180)
+    assert {s.state for s in rated} == {State.COMPLETED}, cluster.diagnose()
+    times = sorted(Attempt.objects.filter(step__in=rated).values_list("claimed_at", flat=True))
+    for i, first in enumerate(times):
+        for j in range(i, len(times)):
+            seconds = (times[j] - first).total_seconds()
+            assert j - i + 1 <= 10 + 10 * seconds + 1, (i, j, seconds)
+    workers = set(Attempt.objects.filter(step__in=limited + rated).values_list("worker", flat=True))
+    assert len(workers) == 2, workers  # both took part
