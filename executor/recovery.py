@@ -16,7 +16,6 @@ from executor import dispatch, logcontext, progress, transitions
 from executor.engine import (
     Outcome,
     close_attempt,
-    find_tool,
     invocation,
     lease_seconds,
     log_fields,
@@ -24,7 +23,7 @@ from executor.engine import (
 )
 from executor.models import Attempt, Phase, Step
 from executor.states import State
-from executor.tools.base import FailureClass, Lookup, LookupOutcome, Tool, get_tool
+from executor.tools.base import FailureClass, Lookup, LookupOutcome, Tool, find_tool, get_tool
 
 logger = logging.getLogger(__name__)
 

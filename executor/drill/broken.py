@@ -53,13 +53,14 @@ def install() -> str:
 
 
 def _install_blind_repeats() -> None:
-    from executor import engine, recovery
+    import executor.engine.common as engine_common
+    from executor import recovery
     from executor.tools.base import Tool
 
     def always(tool: Tool) -> bool:
         return True
 
-    engine.safe_to_repeat = always
+    engine_common.safe_to_repeat = always
     recovery.safe_to_repeat = always
 
 

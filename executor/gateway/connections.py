@@ -292,6 +292,19 @@ class _Progress:
     sent: bool = False
 
 
+def _bound(timeout: float) -> float:
+    """How long a caller waits for a call: its timeout, a start, and a margin; never forever."""
+    return timeout + settings.EXECUTOR_UPSTREAM_START_SECONDS + MARGIN_SECONDS
+
+
+def _given_up(progress: _Progress, bound: float) -> Exception:
+    """A call given up on before it was sent is Unreachable, one given up on after is
+    AnswerLost."""
+    if progress.sent:
+        return AnswerLost(f"no answer within {bound:g}s")
+    return Unreachable(f"not sent within {bound:g}s (waiting for its turn)")
+
+
 class Gateway:
     """The sessions of this process, on an event loop thread of its own (made again in a
     forked child, which inherits the object but not the thread)."""
@@ -328,6 +341,28 @@ class Gateway:
         return self._run(
             self._call(target, tool, arguments, timeout, meta, progress), timeout, progress
         )
+
+    async def acall(
+        self,
+        target: Target,
+        tool: str,
+        arguments: dict[str, Any],
+        *,
+        timeout: float,
+        meta: dict[str, Any] | None = None,
+    ) -> tuple[types.CallToolResult, dict[str, Any]]:
+        """`call`, awaited from another event loop (the worker's call loop): the sessions'
+        loop makes the call, and the caller's loop waits for it without a thread."""
+        progress = _Progress()
+        future = asyncio.run_coroutine_threadsafe(
+            self._call(target, tool, arguments, timeout, meta, progress), self._event_loop()
+        )
+        bound = _bound(timeout)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), bound)
+        except TimeoutError:
+            future.cancel()
+            raise _given_up(progress, bound) from None
 
     def list_tools(self, target: Target, *, timeout: float) -> Listing:
         """Every tool the upstream lists (all pages). Raises Unreachable or AnswerLost."""
@@ -378,14 +413,12 @@ class Gateway:
         timeout (waiting for a turn and a start included): never forever. A call given up on
         before it was sent is Unreachable, one given up on after is AnswerLost."""
         future = asyncio.run_coroutine_threadsafe(work, self._event_loop())
-        bound = timeout + settings.EXECUTOR_UPSTREAM_START_SECONDS + MARGIN_SECONDS
+        bound = _bound(timeout)
         try:
             return future.result(bound)
         except TimeoutError:
             future.cancel()
-            if progress.sent:
-                raise AnswerLost(f"no answer within {bound:g}s") from None
-            raise Unreachable(f"not sent within {bound:g}s (waiting for its turn)") from None
+            raise _given_up(progress, bound) from None
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         if self._pid != os.getpid():

@@ -158,6 +158,36 @@ class UpstreamTool(Tool):
         return cls.effect in ("pure", "read") or cls.idempotency == Idempotency.KEY
 
     def invoke(self, call: Invocation) -> ToolResult:
+        target, meta = self._target(call)
+        try:
+            result, server = gateway().call(
+                target,
+                self.remote_name,
+                call.input,
+                timeout=self.declared.timeout_seconds,
+                meta=meta,
+            )
+        except (Unreachable, AnswerLost, MCPError) as error:
+            raise self._failure(error, target) from None
+        return self._answer(result, server, target)
+
+    async def ainvoke(self, call: Invocation) -> ToolResult:
+        """`invoke` awaited on the worker's call loop (DESIGN.md §16): the session's own loop
+        does the call; no thread waits for it."""
+        target, meta = self._target(call)
+        try:
+            result, server = await gateway().acall(
+                target,
+                self.remote_name,
+                call.input,
+                timeout=self.declared.timeout_seconds,
+                meta=meta,
+            )
+        except (Unreachable, AnswerLost, MCPError) as error:
+            raise self._failure(error, target) from None
+        return self._answer(result, server, target)
+
+    def _target(self, call: Invocation) -> tuple[Target, dict[str, Any]]:
         try:
             target = target_for(self.upstream, self.reach)
         except MissingVariable as missing:
@@ -170,30 +200,29 @@ class UpstreamTool(Tool):
             "stepward/step_id": call.step_id,
             "stepward/fence": call.fence,
         }
-        try:
-            result, server = gateway().call(
-                target,
-                self.remote_name,
-                call.input,
-                timeout=self.declared.timeout_seconds,
-                meta=meta,
-            )
-        except Unreachable as error:
-            raise ToolError(
+        return target, meta
+
+    def _failure(self, error: Exception, target: Target) -> ToolError:
+        if isinstance(error, Unreachable):
+            return ToolError(
                 FailureClass.UNAVAILABLE,
                 scrub(f"nothing was sent: {error}", target.secrets),
                 evidence=scrub_strings(error.evidence, target.secrets),
-            ) from None
-        except AnswerLost as error:
+            )
+        if isinstance(error, AnswerLost):
             # Sent, and no reliable answer: it may have taken effect. The engine repeats it
             # only where that is safe, and otherwise hands it to a person (§7).
-            raise ToolError(
+            return ToolError(
                 FailureClass.AMBIGUOUS,
                 scrub(str(error), target.secrets),
                 evidence=scrub_strings(error.evidence, target.secrets),
-            ) from None
-        except MCPError as error:
-            raise self._protocol_error(error, target) from None
+            )
+        assert isinstance(error, MCPError)
+        return self._protocol_error(error, target)
+
+    def _answer(
+        self, result: types.CallToolResult, server: dict[str, Any], target: Target
+    ) -> ToolResult:
         body = scrub_strings(result_body(result), target.secrets)
         evidence = {**server, "tool": self.remote_name, "is_error": bool(result.is_error)}
         if result.is_error:

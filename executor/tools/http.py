@@ -349,25 +349,12 @@ class HttpTool(Tool):
     def _refusal(self, response: httpx.Response, secrets: set[str]) -> ToolError:
         status = response.status_code
         text = scrub(response.text[:EVIDENCE_BODY_CHARS], secrets)
-        evidence = {"status": status, "body": text}
-        message = f"{self.spec.method} answered {status}: {text[:300]}"
-        if status in (400, 422):
-            return ToolError(FailureClass.INVALID_INPUT, message, evidence=evidence)
-        if status in (401, 403):
-            return ToolError(FailureClass.PERMISSION_DENIED, message, evidence=evidence)
-        if status == 409:
-            return ToolError(FailureClass.CONFLICT, message, evidence=evidence)
-        if status == 429:
-            return ToolError(
-                FailureClass.RATE_LIMITED,
-                message,
-                retry_after=_retry_after(response),
-                evidence=evidence,
-            )
-        if status == 408 or status >= 500:
-            # It may have acted before failing; `idempotency = "header"` makes a repeat safe.
-            return ToolError(FailureClass.AMBIGUOUS, message, evidence=evidence)
-        return ToolError(FailureClass.INVALID_INPUT, message, evidence=evidence)
+        # A 5xx may come after it acted; `idempotency = "header"` makes a repeat safe.
+        return outbound.failure_of(
+            response,
+            f"{self.spec.method} answered {status}: {text[:300]}",
+            evidence={"status": status, "body": text},
+        )
 
 
 def _send_failure(error: httpx.HTTPError, secrets: set[str]) -> ToolError:
@@ -404,13 +391,6 @@ def _counted(answer: Any) -> tuple[int | None, Any]:
         items = next((v for v in answer.values() if isinstance(v, list)), [])
         return answer["count"], items[0] if items else answer
     return None, None
-
-
-def _retry_after(response: httpx.Response) -> float | None:
-    try:
-        return max(0.0, float(response.headers.get("Retry-After", "")))
-    except ValueError:
-        return None
 
 
 def tool_class(spec: HttpToolSpec) -> type[HttpTool]:

@@ -28,14 +28,6 @@ MAX_BODY_CHARS = 20_000
 READ_DEADLINE_SECONDS = 30
 
 
-def retry_after_seconds(response: httpx.Response) -> float | None:
-    value = response.headers.get("Retry-After", "")
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        return None
-
-
 @register
 class HttpGet(Tool):
     name = "http.get"
@@ -128,15 +120,13 @@ def decoded(body: bytes, charset: str | None) -> str:
 
 
 def raise_for_status(response: httpx.Response) -> None:
+    """An error answer as its failure class: a read is safe to repeat, so a 5xx (or 408) is
+    only unavailable. A redirect is an answer like any other (redirects are not followed)."""
     status = response.status_code
-    if status == 429:
-        raise ToolError(FailureClass.RATE_LIMITED, "429", retry_after=retry_after_seconds(response))
-    if status >= 500:
-        raise ToolError(FailureClass.UNAVAILABLE, f"server answered {status}")
-    if status in (401, 403):
-        raise ToolError(FailureClass.PERMISSION_DENIED, f"server answered {status}")
     if status >= 400:
-        raise ToolError(FailureClass.INVALID_INPUT, f"server answered {status}")
+        raise outbound.failure_of(
+            response, f"server answered {status}", server_error=FailureClass.UNAVAILABLE
+        )
 
 
 def read_at_most(response: httpx.Response, limit: int) -> tuple[bytes, bool]:

@@ -14,10 +14,13 @@ import asyncio
 import functools
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
+
+from executor.tools.base import FailureClass, ToolError
 
 _LIMITS = httpx.Limits(max_keepalive_connections=0)
 _ASYNC_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=0)
@@ -47,6 +50,49 @@ def async_client() -> httpx.AsyncClient:
         if loop not in _async_clients:
             _async_clients[loop] = httpx.AsyncClient(limits=_ASYNC_LIMITS)
         return _async_clients[loop]
+
+
+# --- what an HTTP error answer means (API.md's table, DESIGN.md §8) --------------------------
+
+
+def failure_of(
+    response: httpx.Response,
+    message: str,
+    *,
+    evidence: dict[str, Any] | None = None,
+    server_error: FailureClass = FailureClass.AMBIGUOUS,
+    before_effect: tuple[int, ...] = (),
+) -> ToolError:
+    """The ToolError an answer that is not a success means, for every HTTP tool alike: 429
+    rate-limited (with its Retry-After), 401/403 permission denied, 409 conflict, a status in
+    `before_effect` (one the service answers before acting: the desk's 503) unavailable, 408
+    and 5xx `server_error` (a write's: ambiguous, it may have acted first; a read's:
+    unavailable, safe to repeat), any other invalid input."""
+    status = response.status_code
+    if status == 429:
+        return ToolError(
+            FailureClass.RATE_LIMITED,
+            message,
+            retry_after=retry_after(response),
+            evidence=evidence,
+        )
+    if status in (401, 403):
+        return ToolError(FailureClass.PERMISSION_DENIED, message, evidence=evidence)
+    if status == 409:
+        return ToolError(FailureClass.CONFLICT, message, evidence=evidence)
+    if status in before_effect:
+        return ToolError(FailureClass.UNAVAILABLE, message, evidence=evidence)
+    if status == 408 or status >= 500:
+        return ToolError(server_error, message, evidence=evidence)
+    return ToolError(FailureClass.INVALID_INPUT, message, evidence=evidence)
+
+
+def retry_after(response: httpx.Response) -> float | None:
+    """The seconds a Retry-After header asks for, or None (absent, or an HTTP date)."""
+    try:
+        return max(0.0, float(response.headers.get("Retry-After", "")))
+    except ValueError:
+        return None
 
 
 # --- where tools may reach: EXECUTOR_HTTP_ALLOWED_HOSTS ---------------------------------------

@@ -26,7 +26,6 @@ from executor.tools.base import (
     ToolResult,
     register,
 )
-from executor.tools.http_get import retry_after_seconds
 
 DEFAULT_TIMEOUT_SECONDS = 10.0
 CONNECT_TIMEOUT_SECONDS = 2.0
@@ -93,26 +92,13 @@ def _raise_for_status(response: httpx.Response) -> None:
         return
     message = f"ticket desk answered {status}: {_error_text(response)}"
     evidence = {"status": status, "body": response.text[:EVIDENCE_BODY_CHARS]}
-    if status == 503:
-        # The desk answers 503 before committing anything.
-        raise ToolError(FailureClass.UNAVAILABLE, message, evidence=evidence)
-    if status == 429:
-        raise ToolError(
-            FailureClass.RATE_LIMITED,
-            message,
-            retry_after=retry_after_seconds(response),
-            evidence=evidence,
-        )
-    if status in (401, 403):
-        raise ToolError(FailureClass.PERMISSION_DENIED, message, evidence=evidence)
-    if status == 409:
-        # A stale fence: a newer lease holder owns this step; this attempt must not act.
-        raise ToolError(FailureClass.CONFLICT, message, evidence=evidence)
-    if 400 <= status < 500:
-        # The desk validates before committing: a 4xx means it refused the request.
-        raise ToolError(FailureClass.INVALID_INPUT, message, evidence=evidence)
-    # Any other 5xx (or an unexpected redirect) may come after the desk committed.
-    raise ToolError(FailureClass.AMBIGUOUS, message, evidence=evidence)
+    if status < 400:
+        # An unexpected redirect may come after the desk committed.
+        raise ToolError(FailureClass.AMBIGUOUS, message, evidence=evidence)
+    # The desk answers 503 before committing anything, validates before committing (a 4xx
+    # means it refused the request; a 409 is a stale fence: a newer lease holder owns the
+    # step), and any other 5xx may come after it committed.
+    raise outbound.failure_of(response, message, evidence=evidence, before_effect=(503,))
 
 
 def _ticket_from(response: httpx.Response) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from django.db import connection
 from django.utils import timezone
 from guardian.shortcuts import assign_perm
 
+import executor.engine.statements as statements
 from executor import dispatch, engine, policy, recovery, services, sweeper
 from executor.models import Agent, Attempt, Run, RunStatus, Step
 from executor.models import Tool as ToolRow
@@ -299,7 +300,7 @@ def test_a_run_given_room_after_its_submitting_statement_found_none_takes_the_ca
     step = post(agent, run, "test.write")
     claim = engine.claim_step(step.pk, worker="w1")
     assert isinstance(claim, engine.Claim)
-    statement = engine._submit_in_one_statement
+    statement = statements.submit_in_one_statement
     answers: list[tuple[bool, bool]] = []
 
     def extended_meanwhile(claim: engine.Claim, *, now: Any) -> tuple[bool, bool]:
@@ -311,7 +312,7 @@ def test_a_run_given_room_after_its_submitting_statement_found_none_takes_the_ca
         answers.append(answer)
         return answer
 
-    monkeypatch.setattr(engine, "_submit_in_one_statement", extended_meanwhile)
+    monkeypatch.setattr(statements, "submit_in_one_statement", extended_meanwhile)
 
     assert engine.execute_claimed(claim) == State.COMPLETED
     assert answers == [(True, False), (True, True)]

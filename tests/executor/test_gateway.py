@@ -106,6 +106,20 @@ def test_a_write_happens_once(
     assert repo.commits_with("the first write") == 1
 
 
+def test_calls_in_flight_reach_the_upstream_from_the_call_loop(
+    git: services.ToolsLoaded, agent: Agent, run: Run, repo: GitRepo, settings: Any
+) -> None:
+    # A worker's drain awaits the upstream's tools (`ainvoke`) on its call loop: the sessions'
+    # own loop makes each call, and no thread waits for it.
+    settings.EXECUTOR_MAX_IN_FLIGHT = 16
+    steps = [commit(agent, run, repo, f"in flight {i}") for i in range(4)]
+
+    assert engine.drain(worker="w1") == 4
+
+    assert {reload(s).state for s in steps} == {State.COMPLETED}
+    assert [repo.commits_with(f"in flight {i}") for i in range(4)] == [1, 1, 1, 1]
+
+
 def test_the_effects_id_can_be_read_from_the_answers_text(
     agent: Agent, run: Run, up: Upstream, repo: GitRepo, fresh_sessions: None
 ) -> None:

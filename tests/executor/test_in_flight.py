@@ -3,7 +3,7 @@ database connection or a thread that touches the database, and writes their comm
 in groups: the `submitting` marks of the calls about to start in one commit, the answers
 that arrived together in another.
 
-In-process, on the test's own connection: the calls run on the call loop (executor/calls.py)
+In-process, on the test's own connection: the calls run on the call loop (executor/engine/calls.py)
 while the drain's thread, the test's, does every write. Real workers, kills and PostgreSQL's
 backends are in tests/recovery/test_in_flight.py.
 """
@@ -24,6 +24,7 @@ from django.db.backends.signals import connection_created
 from django.utils import timezone
 from guardian.shortcuts import assign_perm
 
+import executor.engine.commits as commits
 from executor import dispatch, engine, services
 from executor.models import (
     Agent,
@@ -232,13 +233,13 @@ def test_answers_that_arrive_together_are_committed_together(
     steps = post_many(agent, run, SlowWrite.name, 10)
     with pytest.MonkeyPatch.context() as patch:
         groups: list[int] = []
-        real = engine.store_answers
+        real = commits.store_answers
 
         def store(claims: Any, answers: Any, *, target: State) -> dict[Any, str]:
             groups.append(len(claims))
             return real(claims, answers, target=target)
 
-        patch.setattr(engine, "store_answers", store)
+        patch.setattr(commits, "store_answers", store)
         # All ten answer at the same moment (the tool sleeps, then they wait here).
         gate = threading.Barrier(10)
         SlowWrite.will(*[lambda call: (gate.wait(30), ToolResult(result={}))[1]] * 10)

@@ -6,7 +6,7 @@ tool that can wait on the loop (`async def invoke`, or an `ainvoke` beside its p
 `invoke`: the HTTP tools and `http.get`, on httpx's async client) is awaited there; a plain
 one runs on a thread of the loop's pool, which only calls the tool. Everything the database
 hears about a call (its `submitting` mark before, its response after) the drain's thread
-writes, in groups (executor/engine.py, `InFlight`).
+writes, in groups (executor/engine/inflight.py).
 
 One loop per process, on a thread of its own, made on first use; a forked child (a Celery
 prefork worker) inherits the object but not the thread, and makes its own.

@@ -1,0 +1,282 @@
+"""The claim: a batch of due steps in one commit (DESIGN.md §5 points 2 to 4, §14).
+
+One statement takes up to N due `pending` rows (`FOR UPDATE SKIP LOCKED` on PostgreSQL; on
+SQLite the claim's IMMEDIATE transaction holds the write lock), moves them to `running` with
+their fences and leases, inserts their Attempts and Events in bulk, and decides each one's
+authorization from facts read once for the batch. Tools at their limit (API.md "Slow tools",
+executor/tool_limits.py) keep their steps `pending`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import connection, transaction
+from django.db.models import QuerySet
+from django.utils import timezone
+
+from executor import (
+    policy,
+    tool_limits,
+    transitions,
+)
+from executor.engine.common import (
+    MAX_MESSAGE,
+    Claim,
+    Outcome,
+    executor_actor,
+    is_light,
+    lease_seconds,
+    request_evidence,
+)
+from executor.models import (
+    Attempt,
+    Effect,
+    Phase,
+    RunStatus,
+    Step,
+)
+from executor.states import State
+from executor.tools.base import (
+    Tool,
+    find_tool,
+)
+
+LIGHT_EFFECTS = (Effect.PURE, Effect.READ)
+
+
+def _locked(steps: QuerySet[Step]) -> QuerySet[Step]:
+    """Locks the rows read, skipping those another worker is claiming right now.
+
+    On SQLite (no SKIP LOCKED) the claim's transaction is IMMEDIATE: it holds the database's
+    write lock from its first statement, so what it reads nobody else can claim meanwhile.
+    """
+    # The tool's row too: its limits (executor/tool_limits.py) come with the step.
+    steps = steps.select_related("run", "run__workspace", "run__agent", "run__agent__user", "tool")
+    if connection.vendor == "postgresql":
+        steps = steps.select_for_update(skip_locked=True, of=("self",))
+    return steps
+
+
+# Oldest first; among steps due at once (a batch's), posting order: the budget's last calls go
+# to the steps posted first.
+DUE_ORDER = ("not_before", "position")
+
+
+def _due_steps(*, light: int, writes: int, now: datetime, full: Sequence[str] = ()) -> list[Step]:
+    """Up to `light` due pure/read steps and `writes` due write steps of open runs, oldest
+    first, a run's steps due together in posting order, none of the tools in `full` (at
+    their limit). The tool's effect comes from the Tool table (what decides is the
+    registry's; this only sizes the batch)."""
+    due = Step.objects.due(now).of_open_runs()
+    if full:
+        due = due.exclude(tool_id__in=full)
+    rows: list[Step] = []
+    if light > 0:
+        rows += _locked(due.filter(tool__effect__in=LIGHT_EFFECTS).order_by(*DUE_ORDER))[:light]
+    if writes > 0:
+        rows += _locked(due.exclude(tool__effect__in=LIGHT_EFFECTS).order_by(*DUE_ORDER))[:writes]
+    return rows
+
+
+def _within_limits(rows: list[Step], *, now: datetime) -> tuple[list[Step], set[str]]:
+    """`rows` less those of tools without room now (API.md "Slow tools"), counted under the
+    lock of each limited tool's row so that two claims never share one room; and the tools
+    whose steps were left (held back, still `pending`)."""
+    limits = {
+        step.tool_id: limit
+        for step in rows
+        if (limit := tool_limits.effective(step.tool)) is not None
+    }
+    if not limits:
+        return rows, set()
+    wanted: dict[str, int] = {}
+    for step in rows:
+        if step.tool_id in limits:
+            wanted[step.tool_id] = wanted.get(step.tool_id, 0) + 1
+    rooms = tool_limits.allot(wanted, limits, now=now)
+    kept: list[Step] = []
+    full: set[str] = set()
+    for step in rows:
+        if step.tool_id in rooms:
+            if rooms[step.tool_id] <= 0:
+                full.add(step.tool_id)
+                continue
+            rooms[step.tool_id] -= 1
+        kept.append(step)
+    return kept, full
+
+
+@dataclass
+class Batch:
+    """What one claim took (`claims`) and where every step it looked at ended (`outcomes`)."""
+
+    claims: list[Claim] = field(default_factory=list)
+    outcomes: dict[Any, str] = field(default_factory=dict)
+    # The tools whose due steps it left pending, at their limit (API.md "Slow tools").
+    full: set[str] = field(default_factory=set)
+
+
+def claim(
+    *,
+    worker: str,
+    step_ids: Sequence[Any] | None = None,
+    light: int = 0,
+    writes: int = 0,
+    now: datetime | None = None,
+    skip_tools: Sequence[str] = (),
+) -> Batch:
+    """Takes the leases on a batch of due pending steps and decides their authorization, in
+    one commit (DESIGN.md §5 points 2 to 4, §14).
+
+    `step_ids` names steps to look at (a message's, a test's) whatever their age; besides
+    them, up to `light` due pure/read steps and `writes` due write steps are taken. Pure and
+    read steps that may go on are also past their `submitting` point (usage counted) when
+    this returns; write steps are `claimed`. Steps that may not go on end blocked, cancelled,
+    or pending in a paused run, each with its closed attempt, exactly as one step claimed
+    alone would. Steps of `skip_tools` (found at their limit a moment ago) are not looked at.
+    """
+    now = now or timezone.now()
+    batch = Batch()
+    actor = executor_actor(worker)
+    with transaction.atomic():
+        rows = []
+        if step_ids:
+            rows = list(_locked(Step.objects.filter(pk__in=step_ids, state=State.PENDING)))
+        named = {step.pk for step in rows}
+        rows += [
+            step
+            for step in _due_steps(light=light, writes=writes, now=now, full=skip_tools)
+            if step.pk not in named
+        ]
+        rows, batch.full = _within_limits(rows, now=now)
+        taken: list[Step] = []
+        for step in rows:
+            if step.run.status == RunStatus.CANCELLED:
+                transitions.move(
+                    step, State.CANCELLED, actor="policy", reason="the run was cancelled", now=now
+                )
+                batch.outcomes[step.pk] = State.CANCELLED
+            elif (step.not_before is not None and step.not_before > now) or (
+                step.run.status != RunStatus.OPEN
+            ):
+                # Not due yet, or a paused run: its steps wait; a reviewer's resume wakes them.
+                batch.outcomes[step.pk] = Outcome.SKIPPED
+            else:
+                taken.append(step)
+        if not taken:
+            return batch
+        facts = policy.read_facts(taken)
+        decisions: dict[Any, policy.Decision] = {}
+        tools: dict[Any, Tool | None] = {}
+        for step in taken:
+            tool = tools[step.pk] = find_tool(step.tool_id)
+            decisions[step.pk] = (
+                policy.decide(step, tool, facts, now=now)
+                if tool is not None
+                else policy.Decision(
+                    policy.Verdict.BLOCK, f"the tool {step.tool_id} is no longer registered"
+                )
+            )
+        # Pure and read steps are submitted in this very commit: count their calls now, with
+        # one conditional UPDATE per run; those the budget has no room for wait, paused.
+        over_budget: set[Any] = set()
+        by_run: dict[Any, list[Step]] = {}
+        for step in taken:
+            tool = tools[step.pk]
+            if decisions[step.pk].ok and tool is not None and is_light(tool):
+                by_run.setdefault(step.run_id, []).append(step)
+        # Runs' rows in id order, as every batch takes them: two claims never wait on each
+        # other's runs in a cycle.
+        for _, steps in sorted(by_run.items(), key=lambda item: str(item[0])):
+            granted = policy.budget_take_calls(steps[0].run, len(steps), now=now)
+            over_budget.update(step.pk for step in steps[granted:])
+
+        lease_until = now + timedelta(seconds=lease_seconds())
+        transitions.move_many(
+            [
+                transitions.Move(
+                    step,
+                    State.RUNNING,
+                    actor=actor,
+                    reason=f"attempt {step.attempt_count + 1} claimed",
+                    changes={
+                        "fence": step.fence + 1,
+                        "lease_owner": worker,
+                        "lease_expires_at": lease_until,
+                        "attempt_count": step.attempt_count + 1,
+                    },
+                    data={"fence": step.fence + 1, "attempt": step.attempt_count + 1},
+                )
+                for step in taken
+            ],
+            now=now,
+            locked=True,
+        )
+        attempts: dict[Any, Attempt] = {}
+        for step in taken:
+            tool, decision = tools[step.pk], decisions[step.pk]
+            attempt = Attempt(
+                step=step,
+                number=step.attempt_count,
+                fence=step.fence,
+                worker=worker,
+                phase=Phase.CLAIMED,
+                claimed_at=now,
+            )
+            if not decision.ok or step.pk in over_budget:
+                attempt.phase = Phase.ABANDONED
+                attempt.finished_at = now
+                attempt.error_class = "budget" if decision.ok else decision.verdict
+                attempt.error_message = decision.reason[:MAX_MESSAGE]
+            elif tool is not None and is_light(tool):
+                attempt.phase = Phase.SUBMITTING
+                attempt.submitted_at = now
+                attempt.request_evidence = request_evidence(tool, step)
+            attempts[step.pk] = attempt
+        Attempt.objects.bulk_create(attempts.values())
+
+        refusals = []
+        for step in taken:
+            decision, tool = decisions[step.pk], tools[step.pk]
+            if decision.ok and step.pk not in over_budget:
+                assert tool is not None
+                batch.claims.append(Claim(step, attempts[step.pk], tool, worker))
+                continue
+            refusals.append(_refusal(step, decision, over_budget, now=now))
+        transitions.move_many(refusals, now=now, locked=True)
+        for move in refusals:
+            batch.outcomes[move.step.pk] = move.target
+    return batch
+
+
+def _refusal(
+    step: Step, decision: policy.Decision, over_budget: set[Any], *, now: datetime
+) -> transitions.Move:
+    """The move that ends a claimed attempt which may not go on; nothing was sent."""
+    if step.pk in over_budget:
+        reason = policy.budget_exhaustion(step.run, now=now) or "no budget left"
+        policy.run_pause(step.run, reason=reason, now=now)
+        return transitions.Move(step, State.PENDING, actor="policy", reason=f"run paused: {reason}")
+    if decision.verdict == policy.Verdict.CANCEL:
+        return transitions.Move(step, State.CANCELLED, actor="policy", reason=decision.reason)
+    if decision.verdict == policy.Verdict.PAUSE:
+        policy.run_pause(step.run, reason=decision.reason, now=now)
+        return transitions.Move(step, State.PENDING, actor="policy", reason=decision.reason)
+    return transitions.Move(
+        step,
+        State.BLOCKED,
+        actor="policy",
+        reason=decision.reason,
+        changes={"failure_message": decision.reason},
+    )
+
+
+def claim_step(step_id: Any, *, worker: str) -> Claim | str:
+    """Claims one step (a batch of one): its Claim, or the state/outcome it stopped at."""
+    batch = claim(worker=worker, step_ids=[step_id])
+    if batch.claims:
+        return batch.claims[0]
+    return batch.outcomes.get(step_id, Outcome.SKIPPED)
