@@ -14,7 +14,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.models import QuerySet
+from django.db.models import F, QuerySet, Window
+from django.db.models.functions import RowNumber
 from django.utils import timezone
 
 from executor import (
@@ -53,32 +54,79 @@ def _locked(steps: QuerySet[Step]) -> QuerySet[Step]:
     On SQLite (no SKIP LOCKED) the claim's transaction is IMMEDIATE: it holds the database's
     write lock from its first statement, so what it reads nobody else can claim meanwhile.
     """
-    # The tool's row too: its limits (executor/tool_limits.py) come with the step.
-    steps = steps.select_related("run", "run__workspace", "run__agent", "run__agent__user", "tool")
+    steps = _with_facts(steps)
     if connection.vendor == "postgresql":
         steps = steps.select_for_update(skip_locked=True, of=("self",))
     return steps
 
 
-# Oldest first; among steps due at once (a batch's), posting order: the budget's last calls go
-# to the steps posted first.
+def _with_facts(steps: QuerySet[Step]) -> QuerySet[Step]:
+    """The steps with what authorizing them reads (run, workspace, agent and its user) and
+    their tool's row: its limits (executor/tool_limits.py) come with the step."""
+    return steps.select_related("run", "run__workspace", "run__agent", "run__agent__user", "tool")
+
+
+# Within a run: oldest first; among its steps due at once (a batch's), posting order: the
+# budget's last calls go to the steps posted first.
 DUE_ORDER = ("not_before", "position")
 
 
 def _due_steps(*, light: int, writes: int, now: datetime, full: Sequence[str] = ()) -> list[Step]:
-    """Up to `light` due pure/read steps and `writes` due write steps of open runs, oldest
-    first, a run's steps due together in posting order, none of the tools in `full` (at
-    their limit). The tool's effect comes from the Tool table (what decides is the
-    registry's; this only sizes the batch)."""
+    """Up to `light` due pure/read steps and `writes` due write steps of open runs, none of
+    the tools in `full` (at their limit), taken fairly across runs: each run's first due step
+    (oldest first, then in posting order), then each run's second, and so on — a run with
+    10,000 steps due does not make another run's steps wait behind them all. The tool's
+    effect comes from the Tool table (what decides is the registry's; this only sizes the
+    batch)."""
     due = Step.objects.due(now).of_open_runs()
     if full:
         due = due.exclude(tool_id__in=full)
     rows: list[Step] = []
     if light > 0:
-        rows += _locked(due.filter(tool__effect__in=LIGHT_EFFECTS).order_by(*DUE_ORDER))[:light]
+        rows += _fairly(due.filter(tool__effect__in=LIGHT_EFFECTS), light)
     if writes > 0:
-        rows += _locked(due.exclude(tool__effect__in=LIGHT_EFFECTS).order_by(*DUE_ORDER))[:writes]
+        rows += _fairly(due.exclude(tool__effect__in=LIGHT_EFFECTS), writes)
     return rows
+
+
+def _fairly(due: QuerySet[Step], limit: int) -> list[Step]:
+    """Up to `limit` of `due`, locked (`_locked`), round-robin across their runs.
+
+    One statement ranks the due steps within their run (ROW_NUMBER over the run, in
+    DUE_ORDER) and takes them by rank, skipping (PostgreSQL) rows another claim holds, so two
+    workers' claims take different steps; a second reads the rows taken with what authorizing
+    them needs.
+    """
+    ranked = (
+        due.annotate(
+            rank=Window(RowNumber(), partition_by=F("run_id"), order_by=[F(f) for f in DUE_ORDER])
+        )
+        .values("id", "rank", *DUE_ORDER)
+        .order_by()
+    )
+    inner, params = ranked.query.sql_with_params()
+    table = Step._meta.db_table
+    locking = " FOR UPDATE OF s SKIP LOCKED" if connection.vendor == "postgresql" else ""
+    sql = (
+        f"SELECT s.id FROM {table} s JOIN ({inner}) ranked ON ranked.id = s.id"  # noqa: S608 - names, not input
+        " ORDER BY ranked.rank, ranked.not_before, ranked.position"
+        f" LIMIT %s{locking}"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [*params, limit])
+        ids = [row[0] for row in cursor.fetchall()]
+    if not ids:
+        return []
+    # Locked already (PostgreSQL) or under the claim's write lock (SQLite).
+    found = {step.pk: step for step in _with_facts(Step.objects.filter(pk__in=ids))}
+    return [found[pk] for pk in _as_pks(ids) if pk in found]
+
+
+def _as_pks(ids: list[Any]) -> list[Any]:
+    """The database's ids as the model's primary keys (SQLite gives UUIDs as text)."""
+    field = Step._meta.pk
+    assert field is not None
+    return [field.to_python(value) for value in ids]
 
 
 def _within_limits(rows: list[Step], *, now: datetime) -> tuple[list[Step], set[str]]:

@@ -442,3 +442,25 @@ def test_a_tool_table_with_a_bad_limit_is_refused_naming_the_field(settings: Any
         "tool x.create: field 'max_in_flight': must be a whole number of calls, at least 1",
         f"tool x.create: field 'rate': {rate}",
     ]
+
+
+# --- fair claiming across runs ------------------------------------------------------------------
+
+
+def test_a_run_with_many_steps_due_does_not_make_another_runs_steps_wait(
+    agent: Agent, settings: Any
+) -> None:
+    big, _ = services.run_create(agent=agent, name="ten thousand, say")
+    small, _ = services.run_create(agent=agent, name="a few")
+    post_many(agent, big, SlowWrite.name, 300)  # due first
+    later = post_many(agent, small, SlowWrite.name, 5)
+
+    batch = engine.claim(worker="A", writes=10)
+
+    # Round-robin by run: each run's first due step, then each one's second, and so on.
+    taken = [c.step.run_id for c in batch.claims]
+    assert sorted(taken, key=str) == sorted([big.pk] * 5 + [small.pk] * 5, key=str)
+    assert {c.step.pk for c in batch.claims} >= {s.pk for s in later}
+    # Within a run, posting order still.
+    positions = [c.step.position for c in batch.claims if c.step.run_id == big.pk]
+    assert positions == [1, 2, 3, 4, 5]
