@@ -26,7 +26,7 @@ CRASH_EXIT_STATUS = 137
 _rates: dict[str, float] | None = None
 _rng = random.Random()
 # Held by the thread that ends the process: a second thread hitting a point meanwhile (the
-# write and read pools run in threads) waits here, so each logged hit is one ending.
+# call loop's and the drain's) waits here, so each logged hit is one ending.
 _ending = threading.Lock()
 
 

@@ -18,11 +18,7 @@ from django.db.models import F, QuerySet, Window
 from django.db.models.functions import RowNumber
 from django.utils import timezone
 
-from executor import (
-    policy,
-    tool_limits,
-    transitions,
-)
+from executor import policy, tool_limits, transitions
 from executor.engine.common import (
     MAX_MESSAGE,
     Claim,
@@ -32,18 +28,9 @@ from executor.engine.common import (
     lease_seconds,
     request_evidence,
 )
-from executor.models import (
-    Attempt,
-    Effect,
-    Phase,
-    RunStatus,
-    Step,
-)
+from executor.models import Attempt, Effect, Phase, RunStatus, Step
 from executor.states import State
-from executor.tools.base import (
-    Tool,
-    find_tool,
-)
+from executor.tools.base import Tool, find_tool
 
 LIGHT_EFFECTS = (Effect.PURE, Effect.READ)
 

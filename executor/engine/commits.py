@@ -20,13 +20,7 @@ from django.db.models import F
 from django.utils import timezone
 
 import executor.engine.statements as statements
-from executor import (
-    faults,
-    logcontext,
-    policy,
-    progress,
-    transitions,
-)
+from executor import faults, logcontext, policy, progress, transitions
 from executor.bulk import update_rows
 from executor.engine.common import (
     Claim,
@@ -45,20 +39,9 @@ from executor.engine.common import (
 )
 from executor.engine.failures import handle_failure
 from executor.engine.leases import lock_held, still_holds_lease
-from executor.models import (
-    OPEN_PHASES,
-    Attempt,
-    Phase,
-    Run,
-    RunStatus,
-    Step,
-)
+from executor.models import OPEN_PHASES, Attempt, Phase, Run, RunStatus, Step
 from executor.states import State
-from executor.tools.base import (
-    Tool,
-    ToolResult,
-    invoke_blocking,
-)
+from executor.tools.base import Tool, ToolResult, invoke_blocking
 
 
 def run_light(claims: Sequence[Claim]) -> dict[Any, str]:

@@ -15,24 +15,10 @@ from typing import Any
 from django.conf import settings
 from django.utils import timezone
 
-from executor import (
-    policy,
-)
-from executor.models import (
-    OPEN_PHASES,
-    Attempt,
-    Effect,
-    Idempotency,
-    Phase,
-    Run,
-    Step,
-)
+from executor import policy
+from executor.models import OPEN_PHASES, Attempt, Effect, Idempotency, Phase, Run, Step
 from executor.redaction import Redactor
-from executor.tools.base import (
-    Invocation,
-    Tool,
-    ToolResult,
-)
+from executor.tools.base import Invocation, Tool, ToolResult
 
 logger = logging.getLogger(__name__)
 

@@ -11,11 +11,7 @@ from django.db import transaction
 from django.utils import timezone
 
 import executor.engine.common as common
-from executor import (
-    dispatch,
-    logcontext,
-    transitions,
-)
+from executor import dispatch, logcontext, transitions
 from executor.engine.common import (
     MAX_MESSAGE,
     Claim,
@@ -24,21 +20,9 @@ from executor.engine.common import (
     log_fields,
     record_fenced_out,
 )
-from executor.models import (
-    Approval,
-    Attempt,
-    Phase,
-    Run,
-    RunStatus,
-    Step,
-)
+from executor.models import Approval, Attempt, Phase, Run, RunStatus, Step
 from executor.states import State
-from executor.tools.base import (
-    RETRYABLE,
-    FailureClass,
-    Tool,
-    ToolError,
-)
+from executor.tools.base import RETRYABLE, FailureClass, Tool, ToolError
 
 
 def backoff_seconds(tool: Tool, failures: int, rng: random.Random | None = None) -> float:

@@ -12,9 +12,7 @@ from django.utils import timezone
 
 import executor.engine.calls as calls
 import executor.engine.commits as commits
-from executor import (
-    logcontext,
-)
+from executor import logcontext
 from executor.engine.commits import execute_claimed, submit_many, verify_many
 from executor.engine.common import Claim, Outcome, call_of, is_light, log_fields
 from executor.engine.leases import LeaseKeeper
@@ -25,8 +23,8 @@ logger = logging.getLogger(__name__)
 
 class InFlight:
     """The calls a drain has in flight: up to `limit` at once, on the process's call loop
-    (executor/engine/calls.py), none holding a database connection. Everything they need written
-    this (the drain's) thread writes, in groups: the `submitting` marks of the writes about
+    (executor/engine/calls.py), none holding a database connection. Everything they need
+    written this (the drain's) thread writes, in groups: the `submitting` marks of the writes about
     to start in one commit (`submit_many`), the answers that arrived by the time it looks in
     one commit (`store_answers`), the writes' completions in one more (`verify_many`); the
     lease keeper renews every lease in flight in one statement.
@@ -84,9 +82,16 @@ class InFlight:
             return
         starting, self._waiting = self._waiting[:room], self._waiting[room:]
         reads = [c for c in starting if is_light(c.tool)]  # `submitting` since their claim
-        writes, stopped = submit_many(
-            [c for c in starting if not is_light(c.tool)], now=timezone.now()
-        )
+        try:
+            writes, stopped = submit_many(
+                [c for c in starting if not is_light(c.tool)], now=timezone.now()
+            )
+        except Exception:  # nothing was sent: their leases run out, and they are retried (§7)
+            logger.exception("%d calls could not be marked submitting", len(starting))
+            writes, stopped = (
+                [],
+                {c.step.pk: Outcome.SKIPPED for c in starting if not is_light(c.tool)},
+            )
         self.ends.update(stopped)
         self.keeper.release([c for c in starting if c.step.pk in stopped])
         loop = calls.call_loop()

@@ -14,9 +14,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from executor.engine.common import Claim, lease_seconds, log_fields
-from executor.models import (
-    Step,
-)
+from executor.models import Step
 from executor.states import LEASED
 
 logger = logging.getLogger(__name__)

@@ -10,23 +10,15 @@ from typing import Any
 
 from django.conf import settings
 
-from executor import (
-    transitions,
-)
+from executor import transitions
 from executor.engine.claiming import claim, claim_step
 from executor.engine.commits import execute_claimed, run_light
 from executor.engine.common import Claim, Outcome, is_light, worker_name
 from executor.engine.inflight import InFlight
 from executor.engine.leases import LeaseKeeper
-from executor.models import (
-    Effect,
-    RunStatus,
-    Step,
-)
+from executor.models import Effect, RunStatus, Step
 from executor.states import State
-from executor.tools.base import (
-    Tool,
-)
+from executor.tools.base import Tool
 
 
 def process(step_id: Any, *, worker: str | None = None) -> str:
@@ -134,8 +126,6 @@ def _drain(*, worker: str, limit: int | None, hint: Any = None) -> Drained:
 # How long a drain with calls in flight and nothing due waits for an answer before it looks
 # for new work again; and as often while a tool's limit holds steps back.
 LOOK_SECONDS = 0.5
-
-
 HELD_SECONDS = 0.05
 
 

@@ -11,12 +11,7 @@ from typing import Any
 
 from django.db import connection
 
-from executor import (
-    bulk,
-    faults,
-    policy,
-    transitions,
-)
+from executor import bulk, faults, policy, transitions
 from executor.engine.common import (
     Claim,
     closing_fields,
@@ -24,19 +19,9 @@ from executor.engine.common import (
     request_evidence,
     responded_move,
 )
-from executor.models import (
-    OPEN_PHASES,
-    Attempt,
-    Event,
-    Phase,
-    Run,
-    RunStatus,
-    Step,
-)
+from executor.models import OPEN_PHASES, Attempt, Event, Phase, Run, RunStatus, Step
 from executor.states import LEASED, State
-from executor.tools.base import (
-    ToolResult,
-)
+from executor.tools.base import ToolResult
 
 
 @cache
