@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from django.db.models import Count
+from django.utils import timezone
 
 from executor.models import Step
 from executor.models import Tool as ToolRow
@@ -73,6 +74,9 @@ def allot(wanted: dict[str, int], limits: dict[str, Limit], *, now: datetime) ->
         if counted
         else {}
     )
+    # The bucket's clock is read now that the rows are locked, not at the claim's start: the
+    # claims of one tool take their tokens in the order of this lock, so by this clock too.
+    locked_at = max(now, timezone.now())
     allotted: dict[str, int] = {}
     for name, count in wanted.items():
         limit, row = limits[name], rows.get(name)
@@ -80,11 +84,10 @@ def allot(wanted: dict[str, int], limits: dict[str, Limit], *, now: datetime) ->
         if limit.max_in_flight:
             room = min(room, limit.max_in_flight - leased.get(name, 0))
         if limit.rate and row is not None:
-            tokens = _refilled(row, limit.rate, now=now)
+            tokens = _refilled(row, limit.rate, now=locked_at)
             room = min(room, int(tokens))
             room = max(0, room)
-            # A claim's clock is read before it waits for this lock: never set it back.
-            refilled = max(now, row.rate_refilled_at) if row.rate_refilled_at else now
+            refilled = max(locked_at, row.rate_refilled_at or locked_at)
             ToolRow.objects.filter(pk=row.pk).update(
                 rate_tokens=tokens - room, rate_refilled_at=refilled
             )

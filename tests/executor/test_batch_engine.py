@@ -17,12 +17,12 @@ from django.utils import timezone
 from guardian.shortcuts import assign_perm, remove_perm
 
 from executor import dispatch, engine, recovery, services
-from executor.models import Agent, Attempt, Phase, Run, RunStatus, Step, Workspace
+from executor.models import Agent, Attempt, Phase, Run, RunStatus, Workspace
 from executor.models import Tool as ToolRow
 from executor.states import State
 from executor.tools.base import Invocation, ToolResult
 from tests.support import tooling
-from tests.support.tooling import PureTool, ReadTool, WriteTool, expire_lease, reload
+from tests.support.tooling import PureTool, ReadTool, WriteTool, expire_lease, post_many, reload
 
 pytestmark = pytest.mark.django_db
 
@@ -31,15 +31,6 @@ pytestmark = pytest.mark.django_db
 def engine_env(agent: Agent) -> Iterator[None]:
     with tooling.installed(agent), dispatch.publishing(dispatch.dropping_publisher):
         yield
-
-
-def post_many(agent: Agent, run: Run, tool: str, count: int) -> list[Step]:
-    steps, _ = services.steps_post(
-        agent=agent,
-        run=run,
-        requests=[services.StepRequest(f"{tool}-{i}", tool, {"n": i}) for i in range(count)],
-    )
-    return steps
 
 
 # A statement of data-modifying CTEs (`WITH … AS (UPDATE …)`) writes too.

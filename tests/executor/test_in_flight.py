@@ -14,6 +14,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from io import StringIO
 from pathlib import Path
 from typing import Any, ClassVar
@@ -43,7 +44,14 @@ from executor.tools import http as http_tools
 from executor.tools.base import Invocation, ToolResult, register, unregister
 from tests.support import tooling
 from tests.support.slow_service import Running
-from tests.support.tooling import ScriptedTool, WriteTool, expire_lease, reload
+from tests.support.tooling import (
+    ScriptedTool,
+    WriteTool,
+    assert_within_rate,
+    expire_lease,
+    post_many,
+    reload,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -137,13 +145,15 @@ def db_threads() -> Iterator[set[str]]:
         connection_created.disconnect(note)
 
 
-def post_many(agent: Agent, run: Run, tool: str, count: int) -> list[Step]:
-    steps, _ = services.steps_post(
-        agent=agent,
-        run=run,
-        requests=[services.StepRequest(f"{tool}-{i}", tool, {"n": i}) for i in range(count)],
-    )
-    return steps
+@contextmanager
+def delayed(cls: type[SlowWrite], seconds: float) -> Iterator[None]:
+    """The slow tool's calls take `seconds` meanwhile."""
+    before = cls.DELAY
+    cls.DELAY = seconds
+    try:
+        yield
+    finally:
+        cls.DELAY = before
 
 
 def test_plain_writes_wait_together_on_threads_that_never_touch_the_database(
@@ -179,12 +189,9 @@ def test_async_tools_are_awaited_on_the_event_loop(agent: Agent, run: Run, setti
 
 def test_no_more_calls_than_the_limit_are_in_flight(agent: Agent, run: Run, settings: Any) -> None:
     settings.EXECUTOR_MAX_IN_FLIGHT = 7
-    SlowWrite.DELAY = 0.1
-    try:
+    with delayed(SlowWrite, 0.1):
         steps = post_many(agent, run, SlowWrite.name, 30)
         assert engine.drain(worker="w1") == 30
-    finally:
-        SlowWrite.DELAY = 0.3
 
     assert {reload(s).state for s in steps} == {State.COMPLETED}
     assert SlowWrite.seen.peak == 7
@@ -368,12 +375,9 @@ def test_max_in_flight_holds_while_a_drain_has_room_for_more(
     agent: Agent, run: Run, settings: Any, limited: None
 ) -> None:
     settings.EXECUTOR_MAX_IN_FLIGHT = 50
-    LimitedWrite.DELAY = 0.1
-    try:
+    with delayed(LimitedWrite, 0.1):
         steps = post_many(agent, run, LimitedWrite.name, 12)
         assert engine.drain(worker="w1") == 12
-    finally:
-        LimitedWrite.DELAY = 0.3
 
     assert {reload(s).state for s in steps} == {State.COMPLETED}
     assert LimitedWrite.seen.peak == 3
@@ -384,12 +388,9 @@ def test_an_admins_override_wins_over_the_declaration(
 ) -> None:
     settings.EXECUTOR_MAX_IN_FLIGHT = 50
     ToolRow.objects.filter(name=LimitedWrite.name).update(max_in_flight_override=1)
-    LimitedWrite.DELAY = 0.05
-    try:
+    with delayed(LimitedWrite, 0.05):
         post_many(agent, run, LimitedWrite.name, 6)
         assert engine.drain(worker="w1") == 6
-    finally:
-        LimitedWrite.DELAY = 0.3
 
     assert LimitedWrite.seen.peak == 1
 
@@ -407,10 +408,7 @@ def test_a_rate_is_a_bucket_of_its_calls_refilled_at_the_rate(
     assert len(times) == 12
     # "5/s": at most 5 at once, then one more each 0.2 s — in any stretch of the drain, at
     # most 5 + 5 x its length in seconds (claim times are the bucket's own clock).
-    for i, first in enumerate(times):
-        for j in range(i, len(times)):
-            seconds = (times[j] - first).total_seconds()
-            assert j - i + 1 <= 5 + 5 * seconds + 1e-6, (i, j, seconds)
+    assert_within_rate(times, 5, 1)
 
 
 def test_steps_of_a_tool_at_its_limit_do_not_hide_other_tools_steps(

@@ -5,7 +5,8 @@
   `Idempotency-Key` it has seen: then the first answer again, and no new effect. Answers
   `{"id": ..., "key": ...}` with 201 (200 for a repeat).
 - `GET /stats`: `{"requests", "effects", "in_flight", "peak_in_flight",
-  "requests_by_operation": {X-Stepward-Operation: n}, "effects_by_key": {key: n}}`.
+  "requests_by_operation": {X-Stepward-Operation: n}, "effects_by_key": {key: n},
+  "arrivals": [the service's monotonic clock at each request]}`.
 - `POST /reset`: forgets everything.
 
 asyncio only (the standard library), so it holds thousands of requests at once on one core
@@ -20,6 +21,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from collections import Counter
 from typing import Any
 
@@ -39,6 +41,8 @@ class Service:
         self.by_operation: Counter[str] = Counter()
         self.by_key: Counter[str] = Counter()
         self.answers: dict[str, dict[str, Any]] = {}
+        # When each request arrived (time.monotonic()), for rates.
+        self.arrivals: list[float] = []
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -48,10 +52,12 @@ class Service:
             "peak_in_flight": self.peak,
             "requests_by_operation": dict(self.by_operation),
             "effects_by_key": dict(self.by_key),
+            "arrivals": self.arrivals,
         }
 
     async def effect(self, headers: dict[str, str]) -> tuple[int, dict[str, Any]]:
         self.requests += 1
+        self.arrivals.append(time.monotonic())
         self.by_operation[headers.get("x-stepward-operation", "")] += 1
         self.in_flight += 1
         self.peak = max(self.peak, self.in_flight)

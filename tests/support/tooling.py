@@ -251,6 +251,34 @@ def installed(agent: Agent) -> Iterator[None]:
 # --- driving steps --------------------------------------------------------------------------
 
 
+def post_many(agent: Agent, run: Run, tool: str, count: int) -> list[Step]:
+    """`count` steps of `tool` posted in one batch, keyed `<tool>-<i>`, input `{"n": i}`."""
+    steps, _ = services.steps_post(
+        agent=agent,
+        run=run,
+        requests=[services.StepRequest(f"{tool}-{i}", tool, {"n": i}) for i in range(count)],
+    )
+    return steps
+
+
+def assert_within_rate(
+    times: list[datetime] | list[float], calls: int, seconds: float, slack: int = 0
+) -> None:
+    """In any stretch of `times` (sorted; datetimes, or seconds), at most `calls` + `calls`
+    per `seconds` of its length (+ `slack`): a token bucket of `calls`, refilled at that
+    rate."""
+    for i, first in enumerate(times):
+        for j in range(i, len(times)):
+            last = times[j]
+            length = (
+                (last - first).total_seconds()
+                if isinstance(last, datetime) and isinstance(first, datetime)
+                else float(last) - float(first)  # type: ignore[arg-type]
+            )
+            allowed = calls + calls * length / seconds + slack + 1e-6
+            assert j - i + 1 <= allowed, (i, j, length)
+
+
 def post(
     agent: Agent,
     run: Run,
