@@ -278,15 +278,7 @@ def goals(results: dict[str, Any], latencies: list[int]) -> list[dict[str, Any]]
                 lambda v: v == 0,
             ),
         ]
-    return [
-        {
-            "goal": name,
-            "measured": value,
-            "target": target,
-            "verdict": "not measured" if value is None else ("met" if test(value) else "not met"),
-        }
-        for name, value, target, test in rows
-    ]
+    return tp.goal_rows(rows)
 
 
 def report(bench: SlowBench, meta: dict[str, Any], results: dict[str, Any]) -> None:

@@ -851,6 +851,12 @@ def goals(results: dict[str, Any], desk_workers: int) -> list[dict[str, Any]]:
             lambda v: v >= 5,
         ),
     ]
+    return goal_rows(rows)
+
+
+def goal_rows(rows: list[tuple[str, Any, str, Callable[[Any], bool]]]) -> list[dict[str, Any]]:
+    """(name, measured, target, test) as the report's goal rows, each met / not met / not
+    measured."""
     return [
         {
             "goal": name,

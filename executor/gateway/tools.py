@@ -134,6 +134,10 @@ def _reach(row: McpUpstream) -> dict[str, Any]:
 # --- the tool --------------------------------------------------------------------------------
 
 
+# What a call to an upstream may raise besides an answer (`UpstreamTool._failure` maps them).
+CALL_ERRORS = (Unreachable, AnswerLost, MCPError)
+
+
 class UpstreamTool(Tool):
     """A tool an upstream lists; `tool_class` sets the declarations."""
 
@@ -158,34 +162,27 @@ class UpstreamTool(Tool):
         return cls.effect in ("pure", "read") or cls.idempotency == Idempotency.KEY
 
     def invoke(self, call: Invocation) -> ToolResult:
-        target, meta = self._target(call)
+        target, request = self._request(call)
         try:
-            result, server = gateway().call(
-                target,
-                self.remote_name,
-                call.input,
-                timeout=self.declared.timeout_seconds,
-                meta=meta,
-            )
-        except (Unreachable, AnswerLost, MCPError) as error:
+            result, server = gateway().call(target, self.remote_name, call.input, **request)
+        except CALL_ERRORS as error:
             raise self._failure(error, target) from None
         return self._answer(result, server, target)
 
     async def ainvoke(self, call: Invocation) -> ToolResult:
         """`invoke` awaited on the worker's call loop (DESIGN.md §16): the session's own loop
         does the call; no thread waits for it."""
-        target, meta = self._target(call)
+        target, request = self._request(call)
         try:
-            result, server = await gateway().acall(
-                target,
-                self.remote_name,
-                call.input,
-                timeout=self.declared.timeout_seconds,
-                meta=meta,
-            )
-        except (Unreachable, AnswerLost, MCPError) as error:
+            result, server = await gateway().acall(target, self.remote_name, call.input, **request)
+        except CALL_ERRORS as error:
             raise self._failure(error, target) from None
         return self._answer(result, server, target)
+
+    def _request(self, call: Invocation) -> tuple[Target, dict[str, Any]]:
+        """Where the call goes, and its timeout and meta."""
+        target, meta = self._target(call)
+        return target, {"timeout": self.declared.timeout_seconds, "meta": meta}
 
     def _target(self, call: Invocation) -> tuple[Target, dict[str, Any]]:
         try:
