@@ -96,16 +96,19 @@ def _fairly(due: QuerySet[Step], limit: int) -> list[Step]:
     locking = " FOR UPDATE OF s SKIP LOCKED" if connection.vendor == "postgresql" else ""
     sql = (
         f"SELECT s.id FROM {table} s JOIN ({inner}) ranked ON ranked.id = s.id"  # noqa: S608 - names, not input
+        " WHERE s.state = %s"
         " ORDER BY ranked.rank, ranked.not_before, ranked.position"
         f" LIMIT %s{locking}"
     )
     with connection.cursor() as cursor:
-        cursor.execute(sql, [*params, limit])
+        cursor.execute(sql, [*params, State.PENDING, limit])
         ids = [row[0] for row in cursor.fetchall()]
     if not ids:
         return []
     # Locked already (PostgreSQL) or under the claim's write lock (SQLite).
-    found = {step.pk: step for step in _with_facts(Step.objects.filter(pk__in=ids))}
+    found = {
+        step.pk: step for step in _with_facts(Step.objects.filter(pk__in=ids, state=State.PENDING))
+    }
     return [found[pk] for pk in _as_pks(ids) if pk in found]
 
 
