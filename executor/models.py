@@ -553,11 +553,13 @@ class Step(models.Model):
                 condition=Q(compensates__isnull=False),
                 name="step_compensates",
             ),
-            # Due work: pending steps by not_before.
+            # Due work, run by run, oldest first: the fair claim's range scan of each open
+            # run's first due steps (executor/engine/claiming.py); the sweeper's and the
+            # metrics' looks at all due work read it whole (it holds only pending steps).
             models.Index(
-                fields=["not_before"],
+                fields=["run", "not_before", "position"],
                 condition=Q(state=State.PENDING),
-                name="step_due",
+                name="step_due_in_run",
             ),
             # Expired leases.
             models.Index(

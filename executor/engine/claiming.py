@@ -8,6 +8,7 @@ executor/tool_limits.py) keep their steps `pending`."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -28,7 +29,8 @@ from executor.engine.common import (
     lease_seconds,
     request_evidence,
 )
-from executor.models import Attempt, Effect, Phase, RunStatus, Step
+from executor.models import Attempt, Effect, Phase, Run, RunStatus, Step
+from executor.models import Tool as ToolRow
 from executor.states import State
 from executor.tools.base import Tool, find_tool
 
@@ -65,43 +67,52 @@ def _due_steps(*, light: int, writes: int, now: datetime, full: Sequence[str] = 
     10,000 steps due does not make another run's steps wait behind them all. The tool's
     effect comes from the Tool table (what decides is the registry's; this only sizes the
     batch)."""
-    due = Step.objects.due(now).of_open_runs()
-    if full:
-        due = due.exclude(tool_id__in=full)
     rows: list[Step] = []
     if light > 0:
-        rows += _fairly(due.filter(tool__effect__in=LIGHT_EFFECTS), light)
+        rows += _fairly(light=True, limit=light, now=now, full=full)
     if writes > 0:
-        rows += _fairly(due.exclude(tool__effect__in=LIGHT_EFFECTS), writes)
+        rows += _fairly(light=False, limit=writes, now=now, full=full)
     return rows
 
 
-def _fairly(due: QuerySet[Step], limit: int) -> list[Step]:
-    """Up to `limit` of `due`, locked (`_locked`), round-robin across their runs.
+# How many due steps of each run the PostgreSQL claim ranks: the limit times this, so that
+# claims made at the same moment by a few workers, each skipping the rows the others hold,
+# still find rows of their own in a run that has the only due work.
+CANDIDATES_PER_LIMIT = 4
 
-    One statement ranks the due steps within their run (ROW_NUMBER over the run, in
-    DUE_ORDER) and takes them by rank, skipping (PostgreSQL) rows another claim holds, so two
-    workers' claims take different steps; a second reads the rows taken with what authorizing
-    them needs.
+
+def _fairly(*, light: bool, limit: int, now: datetime, full: Sequence[str]) -> list[Step]:
+    """Up to `limit` due steps of pure/read tools (`light`) or of the others, locked
+    (PostgreSQL), round-robin across their runs.
+
+    One statement ranks due steps within their run (ROW_NUMBER over the run, in DUE_ORDER)
+    and takes them by rank, skipping (PostgreSQL) rows another claim holds, so two workers'
+    claims take different steps; a second reads the rows taken with what authorizing them
+    needs. On PostgreSQL it ranks only each open run's first few due steps (a LATERAL join
+    on the `step_due_in_run` index: `_FAIR_SQL`), so a claim costs what it takes, not the
+    backlog; on SQLite (the embedded default, one worker) every due step.
+
+    The outer `s.state = 'pending'` is not redundant: under READ COMMITTED, a row another
+    claim committed (to `running`) after this statement's snapshot is locked anyway and
+    re-checked against the outer query's conditions only (the ranked subquery is not
+    re-evaluated), so without it the row would be taken twice.
     """
-    ranked = (
-        due.annotate(
-            rank=Window(RowNumber(), partition_by=F("run_id"), order_by=[F(f) for f in DUE_ORDER])
-        )
-        .values("id", "rank", *DUE_ORDER)
-        .order_by()
-    )
-    inner, params = ranked.query.sql_with_params()
-    table = Step._meta.db_table
-    locking = " FOR UPDATE OF s SKIP LOCKED" if connection.vendor == "postgresql" else ""
-    sql = (
-        f"SELECT s.id FROM {table} s JOIN ({inner}) ranked ON ranked.id = s.id"  # noqa: S608 - names, not input
-        " WHERE s.state = %s"
-        " ORDER BY ranked.rank, ranked.not_before, ranked.position"
-        f" LIMIT %s{locking}"
-    )
+    if connection.vendor == "postgresql":
+        sql = _fair_sql(light)
+        params: list[Any] = [
+            State.PENDING,
+            now,
+            list(LIGHT_EFFECTS),
+            list(full),
+            limit * CANDIDATES_PER_LIMIT,
+            RunStatus.OPEN,
+            State.PENDING,
+            limit,
+        ]
+    else:
+        sql, params = _fair_sql_everywhere(light=light, limit=limit, now=now, full=full)
     with connection.cursor() as cursor:
-        cursor.execute(sql, [*params, State.PENDING, limit])
+        cursor.execute(sql, params)
         ids = [row[0] for row in cursor.fetchall()]
     if not ids:
         return []
@@ -110,6 +121,62 @@ def _fairly(due: QuerySet[Step], limit: int) -> list[Step]:
         step.pk: step for step in _with_facts(Step.objects.filter(pk__in=ids, state=State.PENDING))
     }
     return [found[pk] for pk in _as_pks(ids) if pk in found]
+
+
+@functools.cache
+def _fair_sql(light: bool) -> str:
+    """PostgreSQL's fair claim: for each open run, its first due steps of the kind wanted
+    (an index range scan each), ranked within the run; the first `limit` by rank locked,
+    skipping those another claim holds."""
+    step, run, tool = Step._meta.db_table, Run._meta.db_table, ToolRow._meta.db_table
+    kind = "= ANY(%s::text[])" if light else "<> ALL(%s::text[])"
+    return (
+        f"SELECT s.id FROM {step} s JOIN ("  # noqa: S608 - names, not input
+        " SELECT d.id, d.not_before, d.position, ROW_NUMBER() OVER"
+        " (PARTITION BY d.run_id ORDER BY d.not_before, d.position) AS rank"
+        f" FROM {run} r CROSS JOIN LATERAL ("
+        f" SELECT c.id, c.run_id, c.not_before, c.position FROM {step} c"
+        " WHERE c.run_id = r.id AND c.state = %s"
+        " AND (c.not_before IS NULL OR c.not_before <= %s)"
+        f" AND c.tool IN (SELECT name FROM {tool} WHERE effect {kind})"
+        " AND c.tool <> ALL(%s::text[])"
+        " ORDER BY c.not_before, c.position LIMIT %s) d"
+        " WHERE r.status = %s"
+        " ) ranked ON ranked.id = s.id"
+        " WHERE s.state = %s"
+        " ORDER BY ranked.rank, ranked.not_before, ranked.position"
+        " LIMIT %s FOR UPDATE OF s SKIP LOCKED"
+    )
+
+
+def _fair_sql_everywhere(
+    *, light: bool, limit: int, now: datetime, full: Sequence[str]
+) -> tuple[str, list[Any]]:
+    """The fair claim where there is no LATERAL or SKIP LOCKED (SQLite): every due step of
+    open runs ranked within its run (the claim's IMMEDIATE transaction holds the write lock)."""
+    due = Step.objects.due(now).of_open_runs()
+    if full:
+        due = due.exclude(tool_id__in=full)
+    due = (
+        due.filter(tool__effect__in=LIGHT_EFFECTS)
+        if light
+        else due.exclude(tool__effect__in=LIGHT_EFFECTS)
+    )
+    ranked = (
+        due.annotate(
+            rank=Window(RowNumber(), partition_by=F("run_id"), order_by=[F(f) for f in DUE_ORDER])
+        )
+        .values("id", "rank", *DUE_ORDER)
+        .order_by()
+    )
+    inner, params = ranked.query.sql_with_params()
+    sql = (
+        f"SELECT s.id FROM {Step._meta.db_table} s JOIN ({inner}) ranked ON ranked.id = s.id"  # noqa: S608 - names, not input
+        " WHERE s.state = %s"
+        " ORDER BY ranked.rank, ranked.not_before, ranked.position"
+        " LIMIT %s"
+    )
+    return sql, [*params, State.PENDING, limit]
 
 
 def _as_pks(ids: list[Any]) -> list[Any]:
