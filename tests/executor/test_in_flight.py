@@ -11,6 +11,7 @@ backends are in tests/recovery/test_in_flight.py.
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 from collections.abc import Iterator
@@ -462,3 +463,23 @@ def test_a_run_with_many_steps_due_does_not_make_another_runs_steps_wait(
     # Within a run, posting order still.
     positions = [c.step.position for c in batch.claims if c.step.run_id == big.pk]
     assert positions == [1, 2, 3, 4, 5]
+
+
+def test_a_worker_process_collects_its_garbage_less_often() -> None:
+    # Celery sends worker_init in the worker's parent and worker_process_init in each
+    # prefork child: both freeze what start-up made and raise the first generation's
+    # threshold (executor/tasks.py, DESIGN.md §16).
+    from celery.signals import worker_init, worker_process_init
+
+    from executor import tasks
+
+    for signal in (worker_init, worker_process_init):
+        assert tasks.quieter_garbage_collector in signal._live_receivers(None)
+    before = gc.get_threshold()
+    try:
+        tasks.quieter_garbage_collector()
+        assert gc.get_threshold() == tasks.GC_THRESHOLD != before
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.set_threshold(*before)
+        gc.unfreeze()
