@@ -30,12 +30,17 @@ class InFlight:
     lease keeper renews every lease in flight in one statement.
 
     Claims wait in `waiting` (claimed, nothing sent: a crash leaves them for recovery to
-    retry, §7) until there is room. With `limit` 0 every call is made in this thread, one at
-    a time, as it is claimed (in-process tests: their uncommitted rows are this thread's).
+    retry, §7) until there is room; up to `ahead` more than there is room for are claimed,
+    so that a call that answers is followed by the next at once, not after a claim. With
+    `limit` 0 every call is made in this thread, one at a time, as it is claimed (in-process
+    tests: their uncommitted rows are this thread's).
     """
 
-    def __init__(self, limit: int, keeper: LeaseKeeper, ends: dict[Any, str]) -> None:
+    def __init__(
+        self, limit: int, keeper: LeaseKeeper, ends: dict[Any, str], *, ahead: int = 0
+    ) -> None:
         self.limit = limit
+        self.ahead = ahead
         self.keeper = keeper
         # Where each step it ran ended, as its group is committed.
         self.ends = ends
@@ -46,7 +51,8 @@ class InFlight:
         """How many write steps to claim now."""
         if self.limit == 0:
             return wanted
-        return max(0, min(wanted, self.limit - len(self._running) - len(self._waiting)))
+        held = len(self._running) + len(self._waiting)
+        return max(0, min(wanted, self.limit + self.ahead - held))
 
     def add(self, claims: Sequence[Claim]) -> None:
         """Takes claimed steps whose call is not made in the claiming thread (writes, reads)."""
@@ -63,13 +69,14 @@ class InFlight:
 
     def collect(self, *, wait_seconds: float = 0) -> None:
         """Commits the answers that have arrived, waiting up to `wait_seconds` for the first
-        one if none has; then starts what waits, room allowing."""
+        one if none has. The calls that wait for room start first: an answer frees its room
+        when it arrives, not when it is committed."""
         if self._running and wait_seconds > 0:
             wait(self._running, timeout=wait_seconds, return_when=FIRST_COMPLETED)
         arrived = [(self._running.pop(f), f.result()) for f in list(self._running) if f.done()]
+        self._start()
         if arrived:
             self._store(arrived)
-        self._start()
 
     def join(self) -> None:
         """Waits for every call in flight and commits its answer."""

@@ -80,7 +80,7 @@ def _drain(*, worker: str, limit: int | None, hint: Any = None) -> Drained:
     named = [hint] if hint is not None else []
     held = HeldBack()
     with LeaseKeeper() as keeper:
-        flight = InFlight(settings.EXECUTOR_MAX_IN_FLIGHT, keeper, drained.ends)
+        flight = InFlight(settings.EXECUTOR_MAX_IN_FLIGHT, keeper, drained.ends, ahead=size)
         try:
             while named or drained.claimed < limit:
                 room = min(size, limit - drained.claimed)
