@@ -7,7 +7,13 @@ import logging
 from typing import Any
 
 from celery import shared_task
-from celery.signals import worker_init, worker_process_init, worker_process_shutdown
+from celery.signals import (
+    task_prerun,
+    worker_init,
+    worker_process_init,
+    worker_process_shutdown,
+)
+from django.db import close_old_connections
 
 from executor import dispatch, engine, faults, recovery, sweeper
 from executor.gateway.connections import gateway
@@ -32,6 +38,14 @@ def reconcile_step(step_id: str) -> str:
 def sweep() -> dict[str, int] | None:
     report = sweeper.sweep(owner=engine.worker_name())
     return report.as_dict() if report else None
+
+
+@task_prerun.connect
+def usable_connections(sender: Any = None, **kwargs: Any) -> None:
+    # The connections kept from the task before (console/celery.py): closed if unusable
+    # (the server restarted) or older than CONN_MAX_AGE, as Django does before a request.
+    if not getattr(getattr(sender, "request", None), "is_eager", False):
+        close_old_connections()
 
 
 @worker_init.connect
