@@ -89,7 +89,7 @@ def _fairly(*, light: bool, limit: int, now: datetime, full: Sequence[str]) -> l
     and takes them by rank, skipping (PostgreSQL) rows another claim holds, so two workers'
     claims take different steps; a second reads the rows taken with what authorizing them
     needs. On PostgreSQL it ranks only each open run's first few due steps (a LATERAL join
-    on the `step_due_in_run` index: `_FAIR_SQL`), so a claim costs what it takes, not the
+    on the `step_due_in_run` index: `_fair_sql`), so a claim costs what it takes, not the
     backlog; on SQLite (the embedded default, one worker) every due step.
 
     The outer `s.state = 'pending'` is not redundant: under READ COMMITTED, a row another
@@ -125,7 +125,7 @@ def _sharing_facts(ids: list[Any]) -> list[Step]:
     """The pending steps of `ids` with what `_with_facts` reads, each run (with its
     workspace, agent and user) and each tool's row read once and shared by its steps: a
     batch is mostly one run's steps of one tool, and building the same five related rows for
-    each of its steps was most of a claim's CPU."""
+    each of its steps was much of a claim's CPU."""
     steps = list(Step.objects.filter(pk__in=ids, state=State.PENDING))
     runs = Run.objects.select_related("workspace", "agent", "agent__user").in_bulk(
         {step.run_id for step in steps}
