@@ -404,6 +404,10 @@ LOGGING = {
         # django-axes announces its version at INFO in every process that loads Django; its
         # sign-in failures and lockouts (axes.handlers) are still logged.
         "axes.apps": {"level": "WARNING"},
+        # httpx and httpcore log every request's full URL at INFO and DEBUG, its query (an
+        # api_key=) with it: a tool call's URL stays out of the log.
+        "httpx": {"level": "WARNING"},
+        "httpcore": {"level": "WARNING"},
     },
 }
 

@@ -5,7 +5,9 @@ them.
 Making an httpx client costs tens of milliseconds of CPU (its TLS context), so a client per
 call capped a worker at a few dozen calls a second. Connections are still never reused:
 a kept-alive connection the server had closed would fail only after the request was
-written, and make a request that never arrived look ambiguous (DESIGN.md §8).
+written, and make a request that never arrived look ambiguous (DESIGN.md §8). So the async
+client has no pool either (`_OneConnectionEach`): each request opens its connection and
+closes it with its response, on asyncio's own streams (executor/tools/asyncio_network.py).
 """
 
 from __future__ import annotations
@@ -14,16 +16,18 @@ import asyncio
 import functools
 import threading
 from dataclasses import dataclass
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import Any
 
+import httpcore
 import httpx
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
+from executor.tools.asyncio_network import AsyncioBackend
 from executor.tools.base import FailureClass, ToolError
 
 _LIMITS = httpx.Limits(max_keepalive_connections=0)
-_ASYNC_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=0)
 _client: httpx.Client | None = None
 _lock = threading.Lock()
 # The async client of each event loop (an httpx.AsyncClient belongs to the loop it was first
@@ -35,21 +39,104 @@ def client() -> httpx.Client:
     global _client
     with _lock:
         if _client is None:
-            _client = httpx.Client(limits=_LIMITS)
+            _client = httpx.Client(limits=_LIMITS, cookies=_no_cookies())
         return _client
 
 
 def async_client() -> httpx.AsyncClient:
-    """The running event loop's client (made on first use). Its connection pool is not
-    bounded here: what bounds the calls in flight is EXECUTOR_MAX_IN_FLIGHT and the tools'
-    own limits."""
+    """The running event loop's client (made on first use). Nothing bounds its connections
+    here: what bounds the calls in flight is EXECUTOR_MAX_IN_FLIGHT and the tools' own
+    limits."""
     loop = asyncio.get_running_loop()
     with _lock:
         for old in [other for other in _async_clients if other.is_closed()]:
             del _async_clients[old]  # its loop is gone, and its client with it
         if loop not in _async_clients:
-            _async_clients[loop] = httpx.AsyncClient(limits=_ASYNC_LIMITS)
+            _async_clients[loop] = httpx.AsyncClient(
+                transport=_unpooled_transport(), cookies=_no_cookies()
+            )
         return _async_clients[loop]
+
+
+def _no_cookies() -> CookieJar:
+    """A jar that keeps no cookie: one client sends every tool's calls, for every workspace,
+    and a cookie one service set must not ride along on the next call to it."""
+    return CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
+
+
+def _unpooled_transport() -> httpx.AsyncHTTPTransport:
+    """httpx's async transport (its request and response types, its errors) on
+    `_OneConnectionEach` instead of httpcore's pool. With keep-alive off the pool holds
+    nothing worth sharing, and it walked every connection it had at each request's start
+    and end: with hundreds of calls in flight, a fifth of the time a worker spent in httpx
+    (py-spy, a 250 ms tool at 512 in flight)."""
+    context = httpx.create_ssl_context()
+    transport = httpx.AsyncHTTPTransport(verify=context)
+    # The one attribute httpx's transport sends through (no public seam for a pool of
+    # one's own); tests/executor/test_outbound.py holds it to a request and its errors.
+    transport._pool = _OneConnectionEach(context)  # type: ignore[assignment]
+    return transport
+
+
+class _OneConnectionEach(httpcore.AsyncConnectionInterface):
+    """A connection of its own for every request, closed when its response is."""
+
+    def __init__(self, ssl_context: Any) -> None:
+        self._ssl_context = ssl_context
+        self._backend = AsyncioBackend()
+
+    async def handle_async_request(self, request: httpcore.Request) -> httpcore.Response:
+        scheme = request.url.scheme.decode()
+        if scheme not in ("http", "https"):
+            raise httpcore.UnsupportedProtocol(
+                f"Request URL has an unsupported protocol '{scheme}://'."
+                if scheme
+                else "Request URL is missing an 'http://' or 'https://' protocol."
+            )
+        connection = httpcore.AsyncHTTPConnection(
+            origin=request.url.origin,
+            ssl_context=self._ssl_context,
+            network_backend=self._backend,
+        )
+        try:
+            response = await connection.handle_async_request(request)
+        except BaseException:
+            await connection.aclose()
+            raise
+        return httpcore.Response(
+            status=response.status,
+            headers=response.headers,
+            content=_ClosingStream(response.stream, connection),
+            extensions=response.extensions,
+        )
+
+    async def aclose(self) -> None:
+        """Nothing is held between requests."""
+
+    async def __aenter__(self) -> _OneConnectionEach:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+class _ClosingStream:
+    """A response's body that closes its connection when it is closed."""
+
+    def __init__(self, stream: Any, connection: httpcore.AsyncHTTPConnection) -> None:
+        self._stream = stream
+        self._connection = connection
+
+    async def __aiter__(self) -> Any:
+        async for part in self._stream:
+            yield part
+
+    async def aclose(self) -> None:
+        try:
+            if hasattr(self._stream, "aclose"):
+                await self._stream.aclose()
+        finally:
+            await self._connection.aclose()
 
 
 # --- what an HTTP error answer means (API.md's table, DESIGN.md §8) --------------------------

@@ -1,0 +1,208 @@
+"""The async client the worker's calls are sent with (executor/tools/outbound.py): httpx's
+transport without httpcore's pool, one connection per request, closed with its response, even
+when the server would keep it open."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import socket
+import ssl
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from executor.tools import outbound
+
+
+class KeepAliveServer:
+    """Answers every request on a connection it keeps open (HTTP/1.1 keep-alive), and notes
+    each connection's end as the client closes it."""
+
+    def __init__(self) -> None:
+        self.opened = 0
+        self.closed = 0
+        self.requests = 0
+        self.cookies: list[bytes] = []
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.opened += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                    if line.lower().startswith(b"cookie:"):
+                        self.cookies.append(line)
+                await reader.readexactly(length)
+                self.requests += 1
+                body = b'{"n": %d}' % self.requests
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                    b"Set-Cookie: session=%d; Path=/\r\n"
+                    % self.requests
+                    + b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+                )
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.closed += 1
+            writer.close()
+
+
+async def _until(check: Any) -> None:
+    for _ in range(200):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+
+
+def test_each_request_has_a_connection_of_its_own_closed_with_its_response() -> None:
+    async def scenario() -> tuple[KeepAliveServer, list[Any], list[bytes]]:
+        service = KeepAliveServer()
+        server = await asyncio.start_server(service.handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = outbound.async_client()
+        answers = await asyncio.gather(
+            *(client.post(f"http://127.0.0.1:{port}/x", json={"i": i}) for i in range(20))
+        )
+        bodies = []
+        async with client.stream("GET", f"http://127.0.0.1:{port}/s") as response:
+            bodies = [part async for part in response.aiter_bytes()]
+        await _until(lambda: service.closed == 21)
+        server.close()
+        return service, [a.json() for a in answers], bodies
+
+    service, answers, bodies = asyncio.run(scenario())
+
+    assert sorted(a["n"] for a in answers) == list(range(1, 21))
+    assert b"".join(bodies) == b'{"n": 21}'
+    # 21 requests, 21 connections, every one closed by the client though the server kept it.
+    assert (service.requests, service.opened, service.closed) == (21, 21, 21)
+    # Every answer set a cookie; none was sent back (one client serves every workspace).
+    assert service.cookies == []
+
+
+def test_the_plain_client_keeps_no_cookie_either() -> None:
+    async def scenario() -> KeepAliveServer:
+        service = KeepAliveServer()
+        server = await asyncio.start_server(service.handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = outbound.client()
+        for _ in range(3):
+            await asyncio.to_thread(client.post, f"http://127.0.0.1:{port}/x", json={})
+        server.close()
+        return service
+
+    service = asyncio.run(scenario())
+
+    assert service.requests == 3
+    assert service.cookies == []
+
+
+def test_errors_are_httpxs_own() -> None:
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]  # nothing listens on it once closed
+
+    async def refused() -> None:
+        await outbound.async_client().post(f"http://127.0.0.1:{port}/x")
+
+    async def no_scheme() -> None:
+        await outbound.async_client().send(httpx.Request("GET", "ftp://127.0.0.1/x"))
+
+    with pytest.raises(httpx.ConnectError):
+        asyncio.run(refused())
+    with pytest.raises(httpx.UnsupportedProtocol):
+        asyncio.run(no_scheme())
+
+
+def test_a_server_that_never_answers_is_a_read_timeout() -> None:
+    async def scenario() -> None:
+        async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read(1 << 16)
+            await asyncio.sleep(5)
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            await outbound.async_client().post(f"http://127.0.0.1:{port}/x", timeout=0.2)
+        finally:
+            server.close()
+
+    with pytest.raises(httpx.ReadTimeout):
+        asyncio.run(scenario())
+
+
+def _certificate(tmp_path: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for localhost (openssl, as Debian ships it)."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
+            *("-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost"),
+            *("-addext", "subjectAltName=DNS:localhost"),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a certificate")
+def test_https_on_asyncio_streams_checks_the_certificate_and_its_name(tmp_path: Path) -> None:
+    cert, key = _certificate(tmp_path)
+    served = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    served.load_cert_chain(cert, key)
+    trusting = httpx.create_ssl_context(verify=str(cert))
+
+    def client() -> httpx.AsyncClient:
+        transport = httpx.AsyncHTTPTransport(verify=trusting)
+        transport._pool = outbound._OneConnectionEach(trusting)  # type: ignore[assignment]
+        return httpx.AsyncClient(transport=transport)
+
+    async def scenario() -> tuple[int, Any, BaseException | None]:
+        service = KeepAliveServer()
+        server = await asyncio.start_server(service.handle, "127.0.0.1", 0, ssl=served)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            async with client() as c:
+                answer = await c.post(f"https://localhost:{port}/x", json={})
+                wrong: BaseException | None = None
+                try:  # the certificate names localhost, not 127.0.0.1
+                    await c.post(f"https://127.0.0.1:{port}/x", json={})
+                except httpx.ConnectError as error:
+                    wrong = error
+            return answer.status_code, answer.json(), wrong
+        finally:
+            server.close()
+
+    status, body, wrong = asyncio.run(scenario())
+
+    assert (status, body) == (200, {"n": 1})
+    assert isinstance(wrong, httpx.ConnectError)
+    assert "certificate" in str(wrong).lower() or "ip address mismatch" in str(wrong).lower()
+
+
+def test_no_request_line_with_its_query_reaches_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    async def scenario() -> None:
+        service = KeepAliveServer()
+        server = await asyncio.start_server(service.handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        url = f"http://user:pw-in-url@127.0.0.1:{port}/x?api_key=key-in-query"
+        await outbound.async_client().post(url, json={})
+        await asyncio.to_thread(outbound.client().post, url, json={})
+        server.close()
+
+    with caplog.at_level(logging.DEBUG):
+        asyncio.run(scenario())
+
+    assert "key-in-query" not in caplog.text
+    assert "pw-in-url" not in caplog.text
