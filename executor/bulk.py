@@ -204,6 +204,16 @@ def insert_together(
     return {name: found.get(-1 - index, []) for index, (name, _, _) in enumerate(ctes)}
 
 
+def create(model: type[Model], objs: Sequence[Model]) -> None:
+    """`model.objects.bulk_create(objs)`; on PostgreSQL the same INSERT … SELECT FROM unnest
+    through `insert_together`, its arrays built without the ORM's work for every object and
+    field (a third of the CPU of a batch's move of many steps, py-spy)."""
+    if connection.vendor == "postgresql":
+        insert_together([Rows(model, objs)])
+    else:
+        model._default_manager.bulk_create(objs)
+
+
 def _array_type(f: Field[Any, Any], db: Any) -> str:
     """The SQL type of an array of `f`'s values: without its length (varchar, not
     varchar(200)), as bulk_create does."""

@@ -23,7 +23,7 @@ from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from executor.bulk import Computed, Rows, insert_together, update_rows, update_sql
+from executor.bulk import Computed, Rows, create, insert_together, update_rows, update_sql
 from executor.models import EVENT_FORMAT, Event, Step, StepCounter, comparable
 from executor.redaction import redact
 from executor.states import LEASED, State, is_allowed
@@ -394,7 +394,7 @@ def move_many(
             )
             if updated != len(group):
                 raise TransitionError(f"{len(group)} steps were locked but {updated} moved")
-        Event.objects.bulk_create(events.values())
+        create(Event, list(events.values()))
         for m, changes in fresh:
             _moved(m.step, m.target, changes, events[m.step.pk], now)
     return [m for m, _ in fresh], [m for m, _ in stale]

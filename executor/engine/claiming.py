@@ -19,7 +19,7 @@ from django.db.models import F, QuerySet, Window
 from django.db.models.functions import RowNumber
 from django.utils import timezone
 
-from executor import policy, tool_limits, transitions
+from executor import bulk, policy, tool_limits, transitions
 from executor.engine.common import (
     MAX_MESSAGE,
     Claim,
@@ -356,7 +356,7 @@ def claim(
                 attempt.submitted_at = now
                 attempt.request_evidence = request_evidence(tool, step)
             attempts[step.pk] = attempt
-        Attempt.objects.bulk_create(attempts.values())
+        bulk.create(Attempt, list(attempts.values()))
 
         refusals = []
         for step in taken:
