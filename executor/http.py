@@ -9,13 +9,21 @@ from collections.abc import Callable
 
 from django.conf import settings
 from django.core.handlers.wsgi import WSGIRequest
-from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
+from django.http import (
+    HttpRequest,
+    HttpResponse,
+    HttpResponseBadRequest,
+    HttpResponseBase,
+    JsonResponse,
+)
 
 from executor import logcontext
 
 logger = logging.getLogger(__name__)
 
 API_PREFIX = "/api/"
+# What a console form's chunked body may hold when DATA_UPLOAD_MAX_MEMORY_SIZE is None.
+FORM_LIMIT = 2_621_440
 # Batch posts carry up to 500 steps: they have a limit of their own.
 BATCH_SUFFIX = "/steps/batch"
 
@@ -61,11 +69,27 @@ class ApiEdgeMiddleware:
 
     def __call__(self, request: HttpRequest) -> HttpResponseBase:
         if not request.path.startswith(API_PREFIX):
+            # A chunked form post is read as the API's are (Django would see it empty).
+            unsized = (
+                read_unsized_body(request, settings.DATA_UPLOAD_MAX_MEMORY_SIZE or FORM_LIMIT)
+                if request.method in ("POST", "PUT", "PATCH")
+                and not request.META.get("CONTENT_LENGTH")
+                else None
+            )
+            if unsized is not None:
+                return unsized
+            refused = refuse_unreadable_body(request)
+            if refused is not None:
+                return HttpResponseBadRequest(refused, content_type="text/plain; charset=utf-8")
             return self.get_response(request)
         # A request's log lines carry the agent, run and step it is about (logcontext).
         started = time.monotonic()
         with logcontext.bound():
-            response = refuse_large_body(request) or in_error_shape(self.get_response(request))
+            response = (
+                refuse_large_body(request)
+                or _bad_body(refuse_unreadable_body(request))
+                or in_error_shape(self.get_response(request))
+            )
             logger.info(
                 "%s %s %s in %.1f ms",
                 request.method,
@@ -116,7 +140,10 @@ def read_unsized_body(request: HttpRequest, limit: int) -> HttpResponse | None:
                 "length_required",
                 "this server cannot read a chunked body: send Content-Length",
             )
-        body = request.META["wsgi.input"].read(limit + 1)
+        try:
+            body = request.META["wsgi.input"].read(limit + 1)
+        except OSError as error:  # the server's de-chunking failed: bad framing, or cut off
+            return error_response(400, "bad_request", unreadable(error))
     else:
         body = request.read(limit + 1)
     if len(body) > limit:
@@ -124,6 +151,40 @@ def read_unsized_body(request: HttpRequest, limit: int) -> HttpResponse | None:
     request._body = body
     request._stream = io.BytesIO(body)
     return None
+
+
+def refuse_unreadable_body(request: HttpRequest) -> str | None:
+    """Why the body of a request that has one cannot be acted on, or None (and the body read).
+
+    A body the server could not read (a malformed chunk, a connection closed mid-body) made
+    Django's handler answer 500 wherever it was first read; a body shorter than its
+    Content-Length (the sender stopped early and closed its half) was read as it was and
+    could be acted on, a JSON document cut at a point where it still parses. Either is
+    refused here, before any view sees it."""
+    if request.method not in ("POST", "PUT", "PATCH", "DELETE"):
+        return None
+    if request.content_type == "multipart/form-data":
+        return None  # streamed to its handlers by Django's parser, files and all
+    try:
+        body = request.body
+    except OSError as error:  # UnreadablePostError, and the server's own reading errors
+        return unreadable(error)
+    declared = request.META.get("CONTENT_LENGTH") or ""
+    if declared.isdigit() and len(body) < int(declared):
+        return (
+            f"the request body was cut off: {len(body)} of the {int(declared)} bytes its "
+            "Content-Length announced arrived"
+        )
+    return None
+
+
+def unreadable(error: BaseException) -> str:
+    detail = str(error).strip() or type(error).__name__
+    return f"the request body could not be read ({detail}): send it again, whole"
+
+
+def _bad_body(problem: str | None) -> JsonResponse | None:
+    return None if problem is None else error_response(400, "bad_request", problem)
 
 
 def in_error_shape(response: HttpResponseBase) -> HttpResponseBase:

@@ -3,7 +3,9 @@ gunicorn, and the long-poll limit held across web processes that share a Redis c
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -78,6 +80,88 @@ def test_a_chunked_batch_has_the_batch_limit(server: WebServer, agent_auth: Agen
 
     assert response.status_code == 201, response.text
     assert Step.objects.filter(run=run).count() == 100
+
+
+# --- bodies that cannot be acted on ------------------------------------------------------------
+
+
+def raw(server: WebServer, request: bytes, *, half_close: bool = False) -> tuple[int, bytes]:
+    """Sends `request` as it is on a socket of its own; (status, body) of the answer.
+    `half_close`: the sender stops writing (FIN) after it, as a client cut off mid-body."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(request)
+        if half_close:
+            sock.shutdown(socket.SHUT_WR)
+        answer = b""
+        while part := sock.recv(65536):
+            answer += part
+    head, _, body = answer.partition(b"\r\n\r\n")
+    if b"transfer-encoding: chunked" in head.lower():
+        body = dechunked(body)
+    return int(head.split()[1]), body
+
+
+def dechunked(body: bytes) -> bytes:
+    whole = b""
+    while body:
+        size, _, body = body.partition(b"\r\n")
+        length = int(size, 16)
+        if not length:
+            break
+        whole, body = whole + body[:length], body[length + 2 :]
+    return whole
+
+
+def api_request(auth: AgentAuth, path: str, headers: str, body: bytes) -> bytes:
+    return (
+        f"POST /api/v1{path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {auth.token}\r\n"
+        f"Content-Type: application/json\r\nConnection: close\r\n{headers}\r\n"
+    ).encode() + body
+
+
+def test_a_malformed_chunked_body_is_a_400_in_the_apis_shape(
+    server: WebServer, agent_auth: AgentAuth
+) -> None:
+    request = api_request(
+        agent_auth, "/runs", "Transfer-Encoding: chunked\r\n", b'zz\r\n{"name": "x"}\r\n0\r\n\r\n'
+    )
+
+    status, body = raw(server, request)
+
+    assert status == 400, body
+    error = json.loads(body)["error"]
+    assert error["code"] == "bad_request"
+    assert "could not be read" in error["message"]
+    assert not Run.objects.exists()
+
+
+def test_a_body_shorter_than_its_content_length_is_refused_not_acted_on(
+    server: WebServer, agent_auth: AgentAuth
+) -> None:
+    body = b'{"name": "cut off"}'
+    request = api_request(agent_auth, "/runs", f"Content-Length: {len(body) + 40}\r\n", body)
+
+    status, answer = raw(server, request, half_close=True)
+
+    assert status == 400, answer
+    assert "cut off: 19 of the 59 bytes" in json.loads(answer)["error"]["message"]
+    assert not Run.objects.exists()
+
+
+def test_the_consoles_forms_refuse_a_malformed_chunked_body_with_a_400(
+    server: WebServer,
+) -> None:
+    request = (
+        b"POST /accounts/login/ HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+        b"Content-Type: application/x-www-form-urlencoded\r\nTransfer-Encoding: chunked\r\n"
+        b"\r\nzz\r\nusername=a\r\n0\r\n\r\n"
+    )
+
+    status, body = raw(server, request)
+
+    assert status == 400, body
+    assert b"could not be read" in body
 
 
 # --- the long-poll limit across processes ----------------------------------------------------
