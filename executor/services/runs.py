@@ -140,6 +140,10 @@ def run_extend_budget(
     require_perm(user, "extend_budget", run.workspace)
     if add_calls < 0 or (add_cost is not None and add_cost < 0) or extend_deadline_seconds < 0:
         raise Invalid("a budget can only be extended")
+    if extend_deadline_seconds > MAX_DEADLINE_EXTENSION.total_seconds():
+        raise Invalid(
+            f"a deadline can be extended by at most {MAX_DEADLINE_EXTENSION.days} days at a time"
+        )
     now = timezone.now()
     with transaction.atomic():
         locked = Run.objects.select_for_update(no_key=True).get(pk=run.pk)
@@ -153,8 +157,18 @@ def run_extend_budget(
             "deadline": locked.deadline.isoformat() if locked.deadline else None,
         }
         if add_calls and locked.max_calls is not None:
+            if locked.max_calls + add_calls > MAX_CALLS:
+                raise Invalid(
+                    f"a run's call budget can be at most {MAX_CALLS:,}: it is "
+                    f"{locked.max_calls:,}, so at most {MAX_CALLS - locked.max_calls:,} can be added"
+                )
             locked.max_calls += add_calls
         if add_cost and locked.max_cost is not None:
+            if locked.max_cost + add_cost > MAX_COST:
+                raise Invalid(
+                    f"a run's cost budget can be at most {MAX_COST}: it is {locked.max_cost}, "
+                    f"so at most {MAX_COST - locked.max_cost} can be added"
+                )
             locked.max_cost += add_cost
         if extend_deadline_seconds and locked.deadline is not None:
             locked.deadline = max(locked.deadline, now) + timedelta(seconds=extend_deadline_seconds)
@@ -177,6 +191,13 @@ def run_extend_budget(
                 raise Conflict(f"the run cannot resume: {problem}")
             run_resume(run=locked, actor=user_actor(user), reason=reason, now=now)
     return locked
+
+
+# What the run's columns hold (a PositiveIntegerField, a DecimalField of 14 digits, 4 after
+# the point), and how far one extension may move a deadline.
+MAX_CALLS = 2_147_483_647
+MAX_COST = Decimal("9999999999.9999")
+MAX_DEADLINE_EXTENSION = timedelta(days=366)
 
 
 def run_already_handled(run: Run) -> AlreadyHandled:

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from django.test import Client
 from django.urls import reverse
+from django.utils import timezone
 
 from console import views
 from executor import services
@@ -225,6 +226,34 @@ def test_extending_too_little_to_resume_is_409_and_changes_nothing(bob: Client, 
     assert "cannot resume" in read(response).text
     run.refresh_from_db()
     assert (run.status, run.max_calls) == (RunStatus.PAUSED, 2)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "said"),
+    [
+        ("add_calls", "2147483648", "at most 2,147,483,647"),
+        ("add_calls", "2147483646", "at most 2,147,483,645 can be added"),
+        ("add_cost", "9999999999.9999", "at most 9999999999.9999"),
+        ("add_cost", "99999999999999999999", "digits"),
+        ("extend_minutes", "999999999999", "at most"),
+        ("extend_minutes", str(366 * 24 * 60 + 1), "at most 366 days"),
+    ],
+)
+def test_extending_past_what_a_budget_holds_is_422_and_changes_nothing(
+    bob: Client, run: Run, field: str, value: str, said: str
+) -> None:
+    run = paused(run)
+    Run.objects.filter(pk=run.pk).update(max_cost=Decimal("1"), deadline=timezone.now())
+    run.refresh_from_db()
+    before = (run.max_calls, run.max_cost, run.deadline, run.version)
+
+    response = extend(bob, run, **{field: value})
+
+    assert response.status_code == 422
+    assert said in read(response).text
+    run.refresh_from_db()
+    assert (run.max_calls, run.max_cost, run.deadline, run.version) == before
+    assert not RunEvent.objects.filter(run=run, action="budget_extended").exists()
 
 
 def test_extending_needs_extend_budget(dave: Client, run: Run) -> None:
