@@ -1,13 +1,20 @@
-"""What the web process adds for safety beyond Django's own: pages no cache keeps, and the
-client address that sign-in throttling counts failures by."""
+"""What the web process adds for safety beyond Django's own: pages no cache keeps, the client
+address that sign-in throttling counts failures by, and a password reset that cannot be used
+to flood a mailbox."""
 
 from __future__ import annotations
 
+import hashlib
+import math
 from collections.abc import Callable
 
 from django.conf import settings
-from django.http import HttpRequest, HttpResponseBase
+from django.contrib.auth import views as auth_views
+from django.contrib.auth.forms import PasswordResetForm
+from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.utils.cache import add_never_cache_headers
+
+from executor import limits
 
 
 class NoStoreMiddleware:
@@ -47,3 +54,45 @@ def client_ip(request: HttpRequest) -> str | None:
     if not forwarded:
         return remote_addr
     return forwarded[-min(proxies, len(forwarded))]
+
+
+# --- password reset, rate-limited ----------------------------------------------------------
+
+RESETS_BY_ADDRESS = limits.WindowLimit("password_reset_ip")
+RESETS_BY_EMAIL = limits.WindowLimit("password_reset_email")
+RESET_PERIOD = 3600
+
+
+class PasswordResetView(auth_views.PasswordResetView):
+    """Django's password reset, with at most PASSWORD_RESETS_PER_HOUR_IP asked from one
+    client address and PASSWORD_RESETS_PER_HOUR_EMAIL for one email address an hour: past
+    either, 429 with Retry-After and no mail sent. Both are counted whether or not the email
+    belongs to a user, so the answer tells nobody which addresses have accounts."""
+
+    def form_valid(self, form: PasswordResetForm) -> HttpResponse:
+        email = form.cleaned_data["email"].strip().lower()
+        waits = [
+            RESETS_BY_ADDRESS.hit(
+                client_ip(self.request) or "unknown",
+                count=settings.PASSWORD_RESETS_PER_HOUR_IP,
+                period=RESET_PERIOD,
+            ),
+            RESETS_BY_EMAIL.hit(
+                hashlib.sha256(email.encode()).hexdigest(),
+                count=settings.PASSWORD_RESETS_PER_HOUR_EMAIL,
+                period=RESET_PERIOD,
+            ),
+        ]
+        wait = max((w for w in waits if w is not None), default=None)
+        if wait is None:
+            return super().form_valid(form)
+        minutes = max(1, math.ceil(wait / 60))
+        form.add_error(
+            "email",
+            "Too many password resets were asked for from here or for this address: no email "
+            f"was sent. Try again in {minutes} minute{'s' if minutes != 1 else ''}.",
+        )
+        response = self.form_invalid(form)
+        response.status_code = 429
+        response["Retry-After"] = str(math.ceil(wait))
+        return response

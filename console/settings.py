@@ -256,6 +256,10 @@ AXES_LOCKOUT_TEMPLATE = "registration/locked_out.html"
 # X-Forwarded-For, the address the outermost of TRUSTED_PROXY_COUNT proxies saw.
 TRUSTED_PROXY_COUNT = env_int("TRUSTED_PROXY_COUNT", 0)
 AXES_CLIENT_IP_CALLABLE = "console.security.client_ip"
+# Password resets asked for in an hour, from one client address and for one email address;
+# past either, 429 and no mail (console/security.py).
+PASSWORD_RESETS_PER_HOUR_IP = env_int("PASSWORD_RESETS_PER_HOUR_IP", 5)
+PASSWORD_RESETS_PER_HOUR_EMAIL = env_int("PASSWORD_RESETS_PER_HOUR_EMAIL", 3)
 
 CACHES = {
     "default": (

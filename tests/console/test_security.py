@@ -259,3 +259,49 @@ def test_behind_a_proxy_two_clients_are_throttled_apart(reviewer: User, settings
         through_proxy("203.0.113.66", "wrong")
     assert through_proxy("203.0.113.66", "bob-pw").status_code == 429
     assert signed_in_as(through_proxy("203.0.113.9", "bob-pw")) == "bob"
+
+
+# --- password reset, rate-limited --------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_limits() -> None:
+    from django.core.cache import cache
+
+    cache.clear()
+
+
+def ask_reset(email: str, address: str = CONSOLE) -> Any:
+    return Client(REMOTE_ADDR=address).post("/accounts/password_reset/", {"email": email})
+
+
+@pytest.mark.usefixtures("fresh_limits")
+def test_ten_resets_for_one_address_send_three_emails_then_429(reviewer: User) -> None:
+    from django.core import mail
+
+    User.objects.filter(pk=reviewer.pk).update(email="bob@example.com")
+    answers = [ask_reset("bob@example.com", address=f"198.51.100.{n}") for n in range(10)]
+
+    assert [a.status_code for a in answers] == [302] * 3 + [429] * 7
+    assert len(mail.outbox) == settings.PASSWORD_RESETS_PER_HOUR_EMAIL == 3
+    refused = answers[-1]
+    assert 0 < int(refused["Retry-After"]) <= 3600
+    assert b"Too many password resets" in refused.content
+    assert b"no email was sent" in refused.content
+
+
+@pytest.mark.usefixtures("fresh_limits")
+def test_one_client_address_may_ask_five_an_hour_for_any_emails(reviewer: User) -> None:
+    from django.core import mail
+
+    User.objects.filter(pk=reviewer.pk).update(email="bob@example.com")
+    # Unknown addresses count too: the answer must not tell which ones have accounts.
+    statuses = [ask_reset(f"nobody{n}@example.com").status_code for n in range(5)]
+    last = ask_reset("bob@example.com")
+
+    assert statuses == [302] * 5
+    assert last.status_code == 429
+    assert mail.outbox == []
+    # Elsewhere, the same email is still served.
+    assert ask_reset("bob@example.com", address="192.0.2.7").status_code == 302
+    assert len(mail.outbox) == 1
