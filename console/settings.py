@@ -301,6 +301,11 @@ API_RATE_LIMIT = os.environ.get("API_RATE_LIMIT", "1200/min")
 API_MAX_WAIT_SECONDS = 30
 # Long-polls (`?wait=`) one agent may hold at once; each holds a web thread while it waits.
 API_MAX_WAITS_PER_AGENT = env_int("API_MAX_WAITS_PER_AGENT", 2)
+# ...every agent's together (in the cache: across web processes with CACHE_URL set)...
+API_MAX_WAITS = env_int("API_MAX_WAITS", 64)
+# ...and one web process's: keep it below its request threads (gunicorn --threads, 8 as
+# `make run` serves), so that waits never hold the threads other requests need.
+API_MAX_WAITS_PER_PROCESS = env_int("API_MAX_WAITS_PER_PROCESS", 4)
 # Requests with a missing or unknown token, per client address ("" or "off": no limit).
 API_BAD_TOKEN_RATE = os.environ.get("API_BAD_TOKEN_RATE", "30/min")
 # Unset, the client address is the peer's (REMOTE_ADDR). Behind a proxy you run, the header

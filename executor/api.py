@@ -15,7 +15,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Annotated, Any, cast
@@ -151,15 +151,53 @@ def long_polls_held(agent: Agent) -> int:
     return LONG_POLLS.held(_long_poll_holder(agent), limit=settings.API_MAX_WAITS_PER_AGENT)
 
 
+class ProcessWaits:
+    """The long-polls this web process holds, at most API_MAX_WAITS_PER_PROCESS: each holds
+    one of the process's request threads while it waits, and the cap keeps the others for
+    everyone else's requests, whoever holds the waits."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ends: dict[int, float] = {}
+        self._next = 0
+
+    def take(self, seconds: float, *, limit: int) -> int | None:
+        with self._lock:
+            if len(self._ends) >= limit:
+                return None
+            self._next += 1
+            self._ends[self._next] = time.monotonic() + seconds
+            return self._next
+
+    def give_back(self, ticket: int) -> None:
+        with self._lock:
+            self._ends.pop(ticket, None)
+
+    def held(self) -> int:
+        with self._lock:
+            return len(self._ends)
+
+    def seconds_until_free(self) -> float:
+        with self._lock:
+            return max(0.0, min(self._ends.values(), default=0.0) - time.monotonic())
+
+
+PROCESS_WAITS = ProcessWaits()
+# Every agent's waits together, in the cache (all web processes, with CACHE_URL set).
+ALL_WAITS_HOLDER = "all"
+
+
 @contextmanager
 def long_poll_slot(agent: Agent, seconds: float) -> Iterator[None]:
-    """Holds one of the agent's API_MAX_WAITS_PER_AGENT long-poll slots while the block runs,
-    or refuses with 429: each wait holds a web thread, and one agent must not hold them all."""
+    """Holds, while the block runs, one of the agent's API_MAX_WAITS_PER_AGENT long-poll
+    slots, one of every agent's API_MAX_WAITS, and one of this process's
+    API_MAX_WAITS_PER_PROCESS; or refuses with 429 and Retry-After, saying which limit was
+    reached: each wait holds a web thread, and no one agent, nor all of them, may hold the
+    threads everyone else's requests need."""
     limit = settings.API_MAX_WAITS_PER_AGENT
     holder = _long_poll_holder(agent)
-    slot = LONG_POLLS.acquire(
-        holder, limit=limit, hold_seconds=seconds, ttl=seconds + LONG_POLL_GRACE_SECONDS
-    )
+    ttl = seconds + LONG_POLL_GRACE_SECONDS
+    slot = LONG_POLLS.acquire(holder, limit=limit, hold_seconds=seconds, ttl=ttl)
     if slot is None:
         held = (
             f"this agent already holds {limit} long-polls (?wait=); wait for one to end"
@@ -171,10 +209,32 @@ def long_poll_slot(agent: Agent, seconds: float) -> Iterator[None]:
             f"{held}, or read the step without ?wait=",
             {"limit": limit},
         )
+    taken: list[Callable[[], None]] = [lambda: LONG_POLLS.release(slot)]
     try:
+        everyone = settings.API_MAX_WAITS
+        shared = LONG_POLLS.acquire(ALL_WAITS_HOLDER, limit=everyone, hold_seconds=seconds, ttl=ttl)
+        if shared is None:
+            raise Refused(
+                LONG_POLLS.seconds_until_free(ALL_WAITS_HOLDER, limit=everyone),
+                f"the server holds as many long-polls (?wait=) as it allows ({everyone}, "
+                "for every agent together): try again later, or read the step without ?wait=",
+                {"limit": everyone, "scope": "server"},
+            )
+        taken.append(lambda: LONG_POLLS.release(shared))
+        here = settings.API_MAX_WAITS_PER_PROCESS
+        ticket = PROCESS_WAITS.take(seconds, limit=here)
+        if ticket is None:
+            raise Refused(
+                PROCESS_WAITS.seconds_until_free(),
+                f"this web process holds as many long-polls (?wait=) as it allows ({here}): "
+                "try again later, or read the step without ?wait=",
+                {"limit": here, "scope": "process"},
+            )
+        taken.append(lambda: PROCESS_WAITS.give_back(ticket))
         yield
     finally:
-        LONG_POLLS.release(slot)
+        for give_back in reversed(taken):
+            give_back()
 
 
 class AgentRateThrottle(AuthRateThrottle):
@@ -615,8 +675,10 @@ def run_steps(
         "`wait` (seconds, 0 to 30) holds the answer until the step's `version` changes, "
         "then answers the step as it is. To miss no change between two reads, pass the "
         "`version` you last saw: the answer comes at once if the step has moved on since. "
-        "An agent holds at most API_MAX_WAITS_PER_AGENT waits at once (default 2): one "
-        "more answers 429 with Retry-After."
+        "An agent holds at most API_MAX_WAITS_PER_AGENT waits at once (default 2), every "
+        "agent together API_MAX_WAITS (64), and one web process API_MAX_WAITS_PER_PROCESS "
+        "(4): one more answers 429 with Retry-After, its `details.scope` saying which "
+        "(absent: the agent's own)."
     ),
     by_alias=True,
 )

@@ -161,7 +161,7 @@ def test_https_on_asyncio_streams_checks_the_certificate_and_its_name(tmp_path: 
     cert, key = _certificate(tmp_path)
     served = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     served.load_cert_chain(cert, key)
-    trusting = httpx.create_ssl_context(verify=str(cert))
+    trusting = ssl.create_default_context(cafile=str(cert))
 
     def client() -> httpx.AsyncClient:
         transport = httpx.AsyncHTTPTransport(verify=trusting)

@@ -212,3 +212,46 @@ def test_the_long_poll_limit_holds_across_web_processes(
     assert all(answer.json()["state"] == "cancelled" for answer in answers)
     assert held_after == 0
     assert again.status_code == 200
+
+
+def test_a_flood_of_long_polls_from_many_agents_leaves_threads_for_everyone_else(
+    tmp_path: Path, workspace: Any, run: Run
+) -> None:
+    """40 agents each try 2 waits (each within its own per-agent limit) on one process of 8
+    threads: it holds API_MAX_WAITS_PER_PROCESS (4) and refuses the rest at once with 429
+    and Retry-After; meanwhile another agent's request and a console page are answered.
+    Before the cap, the flood held every thread: another agent's GET /tools took 80 s."""
+    flooders = [services.agent_create(workspace=workspace, name=f"flood-{n}") for n in range(40)]
+    _, other_token = services.agent_create(workspace=workspace, name="bystander")
+    watched = new_step(run, key="watched")
+    env = {"API_MAX_WAITS_PER_PROCESS": "4", "API_MAX_WAITS_PER_AGENT": "2"}
+    with web_server(tmp_path, workers=1, threads=8, env=env) as server:
+        step_url = f"{server.url}/api/v1/steps/{watched.pk}"
+
+        def hold(token: str) -> httpx.Response:
+            headers = {"Authorization": f"Bearer {token}"}
+            return httpx.get(step_url, params={"wait": 20}, headers=headers, timeout=60)
+
+        with ThreadPoolExecutor(max_workers=80) as pool:
+            waits = [pool.submit(hold, token) for _, token in flooders for _ in range(2)]
+            # The 76 refused come back at once; the 4 held stay.
+            wait_until(lambda: sum(w.done() for w in waits) >= 76, seconds=30, what="refusals")
+            bystander = httpx.get(
+                f"{server.url}/api/v1/tools",
+                headers={"Authorization": f"Bearer {other_token}"},
+                timeout=5,
+            )
+            sign_in_page = httpx.get(f"{server.url}/accounts/login/", timeout=5)
+            still_held = sum(not w.done() for w in waits)
+            transitions.move(Step.objects.get(pk=watched.pk), State.CANCELLED, actor="test")
+            answers = [w.result(timeout=60) for w in waits]
+
+    statuses = sorted(a.status_code for a in answers)
+    assert bystander.status_code == 200
+    assert sign_in_page.status_code == 200
+    assert still_held == 4
+    assert statuses == [200] * 4 + [429] * 76
+    refusals = [a for a in answers if a.status_code == 429]
+    assert {a.json()["error"]["details"]["scope"] for a in refusals} == {"process"}
+    assert all(1 <= int(a.headers["Retry-After"]) <= 20 for a in refusals)
+    assert all(a.json()["state"] == "cancelled" for a in answers if a.status_code == 200)
