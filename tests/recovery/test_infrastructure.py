@@ -1,8 +1,10 @@
 """The infrastructure a worker depends on going away under it (issue 22, item 4), with real
 processes: every database connection of the workers and the sweeper killed mid-drain
-(`pg_terminate_backend` on the test's own database, never the machine's server), while 200
-calls are in flight at a slow service that counts what it saw. Judged by the service's own
-count: nothing lost, nothing that is not safe to repeat sent twice."""
+(`pg_terminate_backend` on the test's own database, never the machine's server) with 200
+calls in flight; the broker's queue lost; a worker cut off from the database (a TCP proxy the
+test cuts and restores) past its lease while its calls are in flight and another worker takes
+them over. Judged by the slow service's own count: nothing lost, nothing that is not safe to
+repeat sent twice, the late worker's writes fenced."""
 
 from __future__ import annotations
 
@@ -12,11 +14,13 @@ import pytest
 from django.db import connection
 
 from console.celery import app as celery_app
-from executor.models import Agent, Run
+from executor.drill.config import current_database_url
+from executor.models import Agent, Attempt, Run, Step
 from executor.states import State
 from tests.recovery.test_in_flight import post, posts, service, settled, slow_tools
 from tests.support.cluster import Cluster
 from tests.support.slow_service import Running
+from tests.support.tcp_proxy import TcpProxy
 
 __all__ = ["service", "slow_tools"]  # fixtures, used by name
 
@@ -86,3 +90,52 @@ def test_a_broker_that_lost_its_queue_loses_no_step(
     assert {s.state for s in done} == {State.COMPLETED}, cluster.diagnose()
     assert {stats["effects_by_key"][str(s.operation_id)] for s in done} == {1}
     assert stats["effects"] == 100
+
+
+def test_a_worker_cut_off_from_the_database_past_its_lease_is_fenced_out_when_it_returns(
+    cluster: Cluster, service: Running, slow_tools: dict[str, str], agent: Agent, run: Run
+) -> None:
+    """Worker A reaches PostgreSQL through a TCP proxy; with its calls in flight the link
+    goes dark (connections open, nothing moving) for longer than its lease. The sweeper and
+    worker B take the steps over with a newer fence and complete them; when A's link comes
+    back, its late writes are refused by their fence. The service sees each key's effect
+    once, and B's requests carry the newer fence."""
+    keyed = post(agent, run, "slow.keyed", 20)
+    db = connection.settings_dict
+    with TcpProxy((db.get("HOST") or "127.0.0.1", int(db.get("PORT") or 5432))) as link:
+        through = current_database_url().replace(f":{db.get('PORT') or 5432}/", f":{link.port}/")
+        late = cluster.worker("a").start(DATABASE_URL=through, **slow_tools)
+        cluster.wait_for(
+            lambda: service.stats()["in_flight"] >= 20 or None, what="A's 20 calls in flight"
+        )
+        link.cut()
+        cluster.sweeper().start()
+        cluster.worker("b").start(**slow_tools)
+        done = settled(cluster, keyed, seconds=120)
+        link.restore()
+        # A's answers arrived long ago; its writes go through once the link is back.
+        cluster.wait_for(
+            lambda: (
+                Attempt.objects.filter(worker=late.worker_name).exclude(fenced_out_at=None).count()
+                == 20
+                or None
+            ),
+            what="A's late writes refused by their fence",
+            seconds=60,
+        )
+    stats = service.stats()
+    fences = stats["fences_by_operation"]
+
+    assert {s.state for s in done} == {State.COMPLETED}, cluster.diagnose()
+    assert {stats["effects_by_key"][str(s.operation_id)] for s in done} == {1}
+    for step in done:
+        seen = fences[str(step.operation_id)]
+        assert seen[0] == "1", (step.key, seen)  # A's call, first
+        assert max(seen, key=int) == str(step.fence), (step.key, seen)  # B's, the newer
+    a_attempts = Attempt.objects.filter(worker=late.worker_name)
+    # Each of A's 20 calls had been sent; each answer's write came back after the takeover
+    # and was refused by its fence, and recorded so.
+    assert set(a_attempts.values_list("fenced_out_write", flat=True)) == {"responded"}
+    assert a_attempts.exclude(fenced_out_at=None).count() == 20
+    # None of A's writes landed: every step's completion is B's.
+    assert not Step.objects.filter(pk__in=[s.pk for s in done], fence=1).exists()

@@ -6,6 +6,7 @@
   `{"id": ..., "key": ...}` with 201 (200 for a repeat).
 - `GET /stats`: `{"requests", "effects", "in_flight", "peak_in_flight",
   "requests_by_operation": {X-Stepward-Operation: n}, "effects_by_key": {key: n},
+  "fences_by_operation": {X-Stepward-Operation: [X-Stepward-Fence, …]},
   "arrivals": [the service's monotonic clock at each request]}`.
 - `POST /reset`: forgets everything.
 
@@ -40,6 +41,8 @@ class Service:
         self.peak = 0
         self.by_operation: Counter[str] = Counter()
         self.by_key: Counter[str] = Counter()
+        # The X-Stepward-Fence of each request, by operation, in the order they arrived.
+        self.fences: dict[str, list[str]] = {}
         self.answers: dict[str, dict[str, Any]] = {}
         # When each request arrived (time.monotonic()), for rates.
         self.arrivals: list[float] = []
@@ -52,6 +55,7 @@ class Service:
             "peak_in_flight": self.peak,
             "requests_by_operation": dict(self.by_operation),
             "effects_by_key": dict(self.by_key),
+            "fences_by_operation": self.fences,
             "arrivals": self.arrivals,
         }
 
@@ -59,6 +63,8 @@ class Service:
         self.requests += 1
         self.arrivals.append(time.monotonic())
         self.by_operation[headers.get("x-stepward-operation", "")] += 1
+        operation = headers.get("x-stepward-operation", "")
+        self.fences.setdefault(operation, []).append(headers.get("x-stepward-fence", ""))
         self.in_flight += 1
         self.peak = max(self.peak, self.in_flight)
         try:
