@@ -16,6 +16,8 @@ from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Any
 
+from executor.redaction import redact, redact_text
+
 FIELDS = ("step_id", "run_id", "workspace", "attempt", "agent", "worker")
 
 _context: ContextVar[dict[str, Any] | None] = ContextVar("stepward_log_context", default=None)
@@ -79,7 +81,7 @@ class JsonFormatter(logging.Formatter):
                 line[name] = value
         if record.exc_info:
             line["error"] = self.formatException(record.exc_info)
-        return json.dumps(line, ensure_ascii=False, default=str)
+        return json.dumps(redact(line), ensure_ascii=False, default=str)
 
 
 class PlainFormatter(logging.Formatter):
@@ -91,3 +93,8 @@ class PlainFormatter(logging.Formatter):
             f"{name}={getattr(record, name)}" for name in FIELDS if hasattr(record, name)
         )
         return f"{text} [{fields}]" if fields else text
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The line, traceback included, with every secret its shape gives away redacted:
+        ours and our libraries' lines alike (DESIGN.md §15)."""
+        return redact_text(super().format(record))
