@@ -68,7 +68,7 @@ def _unpooled_transport() -> httpx.AsyncHTTPTransport:
     """httpx's async transport (its request and response types, its errors) on
     `_OneConnectionEach` instead of httpcore's pool. With keep-alive off the pool holds
     nothing worth sharing, and it walked every connection it had at each request's start
-    and end: with hundreds of calls in flight, a fifth of the time a worker spent in httpx
+    and end: with hundreds of calls in flight, a sixth of the time a worker spent in httpx
     (py-spy, a 250 ms tool at 512 in flight)."""
     context = httpx.create_ssl_context()
     transport = httpx.AsyncHTTPTransport(verify=context)
