@@ -158,9 +158,10 @@ def run_extend_budget(
         }
         if add_calls and locked.max_calls is not None:
             if locked.max_calls + add_calls > MAX_CALLS:
+                room = MAX_CALLS - locked.max_calls
                 raise Invalid(
                     f"a run's call budget can be at most {MAX_CALLS:,}: it is "
-                    f"{locked.max_calls:,}, so at most {MAX_CALLS - locked.max_calls:,} can be added"
+                    f"{locked.max_calls:,}, so at most {room:,} can be added"
                 )
             locked.max_calls += add_calls
         if add_cost and locked.max_cost is not None:
