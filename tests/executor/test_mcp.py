@@ -298,3 +298,27 @@ def test_run_report_of_a_long_mcp_run_lists_the_latest_steps_of_each_section(
     assert [entry["key"] for entry in report.structured["pending"]] == ["k2", "k3", "k4"]
     assert report.structured["listed_of"] == {"pending": 5}
     assert "latest 3 steps" in report.message
+
+
+def test_secrets_of_every_shape_never_come_back_over_mcp(session: mcp.Session) -> None:
+    """The 29 shapes of tests/executor/test_redaction_shapes.py, echoed by the tool into its
+    result: the MCP answer (text and structuredContent) shows none of them."""
+    from tests.executor.test_redaction_shapes import SHAPES
+
+    shaped = {name.replace(" ", "_"): value for name, value, _ in SHAPES}
+    answer = mcp.tools_call(session, "echo", {"message": json.dumps(shaped)})
+    step = Step.objects.select_related("run").get(pk=answer.structured["step_id"])
+    Step.objects.filter(pk=step.pk).update(
+        state=State.COMPLETED, result={"echo": shaped, "said": json.dumps(shaped)}
+    )
+    shown = mcp.step_answer(session, Step.objects.select_related("run").get(pk=step.pk))
+
+    for text in (
+        answer.text,
+        json.dumps(answer.structured),
+        shown.text,
+        json.dumps(shown.structured),
+    ):
+        leaked = [secret for _, _, secret in SHAPES if secret in text]
+        assert leaked == []
+    assert "[redacted]" in shown.text
