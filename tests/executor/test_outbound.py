@@ -10,6 +10,8 @@ import shutil
 import socket
 import ssl
 import subprocess
+from collections.abc import Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,13 @@ import httpx
 import pytest
 
 from executor.tools import outbound
+
+
+def run_apart[T](scenario: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run` on a thread of its own: a browser test earlier in the session leaves
+    playwright's event loop running on the main thread, where asyncio.run refuses to start."""
+    with ThreadPoolExecutor(max_workers=1) as thread:
+        return thread.submit(asyncio.run, scenario).result()
 
 
 class KeepAliveServer:
@@ -80,7 +89,7 @@ def test_each_request_has_a_connection_of_its_own_closed_with_its_response() -> 
         server.close()
         return service, [a.json() for a in answers], bodies
 
-    service, answers, bodies = asyncio.run(scenario())
+    service, answers, bodies = run_apart(scenario())
 
     assert sorted(a["n"] for a in answers) == list(range(1, 21))
     assert b"".join(bodies) == b'{"n": 21}'
@@ -101,7 +110,7 @@ def test_the_plain_client_keeps_no_cookie_either() -> None:
         server.close()
         return service
 
-    service = asyncio.run(scenario())
+    service = run_apart(scenario())
 
     assert service.requests == 3
     assert service.cookies == []
@@ -119,9 +128,9 @@ def test_errors_are_httpxs_own() -> None:
         await outbound.async_client().send(httpx.Request("GET", "ftp://127.0.0.1/x"))
 
     with pytest.raises(httpx.ConnectError):
-        asyncio.run(refused())
+        run_apart(refused())
     with pytest.raises(httpx.UnsupportedProtocol):
-        asyncio.run(no_scheme())
+        run_apart(no_scheme())
 
 
 def test_a_server_that_never_answers_is_a_read_timeout() -> None:
@@ -138,7 +147,7 @@ def test_a_server_that_never_answers_is_a_read_timeout() -> None:
             server.close()
 
     with pytest.raises(httpx.ReadTimeout):
-        asyncio.run(scenario())
+        run_apart(scenario())
 
 
 def _certificate(tmp_path: Path) -> tuple[Path, Path]:
@@ -184,7 +193,7 @@ def test_https_on_asyncio_streams_checks_the_certificate_and_its_name(tmp_path: 
         finally:
             server.close()
 
-    status, body, wrong = asyncio.run(scenario())
+    status, body, wrong = run_apart(scenario())
 
     assert (status, body) == (200, {"n": 1})
     assert isinstance(wrong, httpx.ConnectError)
@@ -202,7 +211,7 @@ def test_no_request_line_with_its_query_reaches_the_log(caplog: pytest.LogCaptur
         server.close()
 
     with caplog.at_level(logging.DEBUG):
-        asyncio.run(scenario())
+        run_apart(scenario())
 
     assert "key-in-query" not in caplog.text
     assert "pw-in-url" not in caplog.text
