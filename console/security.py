@@ -73,7 +73,7 @@ class PasswordResetView(auth_views.PasswordResetView):
         email = form.cleaned_data["email"].strip().lower()
         waits = [
             RESETS_BY_ADDRESS.hit(
-                client_ip(self.request) or "unknown",
+                limits.cache_safe(client_ip(self.request) or "unknown"),
                 count=settings.PASSWORD_RESETS_PER_HOUR_IP,
                 period=RESET_PERIOD,
             ),
