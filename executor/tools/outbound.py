@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ssl
 import threading
 from dataclasses import dataclass
 from http.cookiejar import CookieJar, DefaultCookiePolicy
@@ -64,13 +65,13 @@ def _no_cookies() -> CookieJar:
     return CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
 
 
-def _unpooled_transport() -> httpx.AsyncHTTPTransport:
+def _unpooled_transport(context: ssl.SSLContext | None = None) -> httpx.AsyncHTTPTransport:
     """httpx's async transport (its request and response types, its errors) on
     `_OneConnectionEach` instead of httpcore's pool. With keep-alive off the pool holds
     nothing worth sharing, and it walked every connection it had at each request's start
     and end: with hundreds of calls in flight, a sixth of the time a worker spent in httpx
     (py-spy, a 250 ms tool at 512 in flight)."""
-    context = httpx.create_ssl_context()
+    context = context or httpx.create_ssl_context()
     transport = httpx.AsyncHTTPTransport(verify=context)
     # The one attribute httpx's transport sends through (no public seam for a pool of
     # one's own); tests/executor/test_outbound.py holds it to a request and its errors.

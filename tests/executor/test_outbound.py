@@ -173,9 +173,7 @@ def test_https_on_asyncio_streams_checks_the_certificate_and_its_name(tmp_path: 
     trusting = ssl.create_default_context(cafile=str(cert))
 
     def client() -> httpx.AsyncClient:
-        transport = httpx.AsyncHTTPTransport(verify=trusting)
-        transport._pool = outbound._OneConnectionEach(trusting)  # type: ignore[assignment]
-        return httpx.AsyncClient(transport=transport)
+        return httpx.AsyncClient(transport=outbound._unpooled_transport(trusting))
 
     async def scenario() -> tuple[int, Any, BaseException | None]:
         service = KeepAliveServer()
