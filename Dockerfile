@@ -33,5 +33,6 @@ RUN pip install --no-cache-dir . \
 
 USER stepward
 EXPOSE 8000
-CMD ["gunicorn", "console.wsgi", "--bind", "0.0.0.0:8000", "--workers", "3", \
-     "--threads", "8", "--worker-class", "gthread", "--access-logfile", "-"]
+# An event loop a process (console/asgi.py): long-polls and slow bodies hold no thread.
+CMD ["gunicorn", "console.asgi", "--bind", "0.0.0.0:8000", "--workers", "3", \
+     "--worker-class", "uvicorn_worker.UvicornWorker", "--access-logfile", "-"]

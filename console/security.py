@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable
+from typing import Any
 
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.conf import settings
 from django.contrib.auth import views as auth_views
 from django.contrib.auth.forms import PasswordResetForm
@@ -23,13 +24,27 @@ class NoStoreMiddleware:
     which neither a shared proxy nor the browser's back button should keep.
 
     Static files are answered by whitenoise above this middleware and keep their caching.
+    Sync and async: under ASGI it passes a long-poll's await through without a thread.
     """
 
-    def __init__(self, get_response: Callable[[HttpRequest], HttpResponseBase]) -> None:
-        self.get_response = get_response
+    sync_capable = True
+    async_capable = True
 
-    def __call__(self, request: HttpRequest) -> HttpResponseBase:
-        response = self.get_response(request)
+    def __init__(self, get_response: Any) -> None:
+        self.get_response = get_response
+        if iscoroutinefunction(get_response):
+            markcoroutinefunction(self)
+
+    def __call__(self, request: HttpRequest) -> Any:
+        if iscoroutinefunction(self):
+            return self._acall(request)
+        return self._never_cached(self.get_response(request))
+
+    async def _acall(self, request: HttpRequest) -> HttpResponseBase:
+        return self._never_cached(await self.get_response(request))
+
+    @staticmethod
+    def _never_cached(response: HttpResponseBase) -> HttpResponseBase:
         if not response.has_header("Cache-Control"):
             add_never_cache_headers(response)
         return response

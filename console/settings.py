@@ -136,7 +136,8 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "django.middleware.csp.ContentSecurityPolicyMiddleware",
-    "whitenoise.middleware.WhiteNoiseMiddleware",
+    # Whitenoise's, sync and async (console/serving.py).
+    "console.serving.StaticFiles",
     # Below whitenoise: static files keep their long cache lifetimes.
     "console.security.NoStoreMiddleware",
     "executor.http.ApiEdgeMiddleware",
@@ -296,16 +297,23 @@ API_MAX_BODY_BYTES = env_int("API_MAX_BODY_BYTES", 64 * 1024)
 API_MAX_BATCH_BODY_BYTES = env_int("API_MAX_BATCH_BODY_BYTES", 4 * 1024 * 1024)
 # Django refuses larger bodies before the API's own limits could answer 413.
 DATA_UPLOAD_MAX_MEMORY_SIZE = max(API_MAX_BODY_BYTES, API_MAX_BATCH_BODY_BYTES)
+# Under ASGI (console/serving.py): a request's whole body within this many seconds of its
+# headers, and at most this many bytes, or 408 / 413 and the connection closed. There, too,
+# PostgreSQL connections come from a pool of DATABASE_POOL_SIZE a process.
+REQUEST_BODY_SECONDS = env_int("REQUEST_BODY_SECONDS", 10)
+REQUEST_BODY_MAX_BYTES = env_int("REQUEST_BODY_MAX_BYTES", DATA_UPLOAD_MAX_MEMORY_SIZE)
 # Requests per minute per agent token; a shared CACHE_URL makes it hold across web processes.
 API_RATE_LIMIT = os.environ.get("API_RATE_LIMIT", "1200/min")
 API_MAX_WAIT_SECONDS = 30
 # Long-polls (`?wait=`) one agent may hold at once; each holds a web thread while it waits.
 API_MAX_WAITS_PER_AGENT = env_int("API_MAX_WAITS_PER_AGENT", 2)
 # ...every agent's together (in the cache: across web processes with CACHE_URL set)...
-API_MAX_WAITS = env_int("API_MAX_WAITS", 64)
-# ...and one web process's: keep it below its request threads (gunicorn --threads, 8 as
-# `make run` serves), so that waits never hold the threads other requests need.
+API_MAX_WAITS = env_int("API_MAX_WAITS", 1000)
+# ...and one web process's. Under WSGI keep it below its request threads (gunicorn
+# --threads), so that waits never hold the threads other requests need; under ASGI (the
+# uvicorn worker) a wait holds no thread and no connection (executor/waits.py).
 API_MAX_WAITS_PER_PROCESS = env_int("API_MAX_WAITS_PER_PROCESS", 4)
+API_MAX_WAITS_PER_EVENT_LOOP = env_int("API_MAX_WAITS_PER_EVENT_LOOP", 500)
 # Requests with a missing or unknown token, per client address ("" or "off": no limit).
 API_BAD_TOKEN_RATE = os.environ.get("API_BAD_TOKEN_RATE", "30/min")
 # Unset, the client address is the peer's (REMOTE_ADDR). Behind a proxy you run, the header
@@ -442,6 +450,10 @@ if "EXECUTOR_WRITE_POOL" in os.environ:
 EXECUTOR_DRAIN_LIMIT = env_int("EXECUTOR_DRAIN_LIMIT", 5000)
 # How often the sweeper signs a checkpoint of the ledger's chains (DESIGN.md §15).
 EXECUTOR_CHECKPOINT_SECONDS = float(os.environ.get("EXECUTOR_CHECKPOINT_SECONDS", "60"))
+# A file each checkpoint's head is appended to, beside the log line every checkpoint writes:
+# put it where the database's owner cannot rewrite it (another host, an append-only mount),
+# and `verify_ledger --against` it. Empty: the log line only.
+EXECUTOR_CHECKPOINT_EXPORT = os.environ.get("EXECUTOR_CHECKPOINT_EXPORT", "")
 # A due step untouched this long is assumed to have lost its message and is resent.
 EXECUTOR_REDISPATCH_AFTER = float(os.environ.get("EXECUTOR_REDISPATCH_AFTER", "10"))
 CELERY_BEAT_SCHEDULE = {

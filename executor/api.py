@@ -16,11 +16,14 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from typing import Annotated, Any, cast
 
+from asgiref.sync import sync_to_async
+from django import db
 from django.conf import settings
+from django.core.handlers.asgi import ASGIRequest
 from django.db.models import QuerySet
 from django.http import Http404, HttpRequest, HttpResponse
 from django.utils import timezone
@@ -31,7 +34,7 @@ from ninja.security import HttpBearer
 from ninja.throttling import AuthRateThrottle
 from ninja.types import DictStrAny
 
-from executor import limits, logcontext, selectors, services
+from executor import limits, logcontext, selectors, services, waits
 from executor.http import ERROR_CODES, error_response
 from executor.models import Agent, Run, Step, hash_token
 from executor.redaction import redact
@@ -52,7 +55,6 @@ from executor.schemas import (
 
 # Writing `last_seen_at` on every request would turn every read into a write.
 LAST_SEEN_EVERY = timedelta(minutes=1)
-WAIT_POLL_SECONDS = 0.2
 STEPS_PAGE_MAX = 1000
 
 
@@ -152,9 +154,10 @@ def long_polls_held(agent: Agent) -> int:
 
 
 class ProcessWaits:
-    """The long-polls this web process holds, at most API_MAX_WAITS_PER_PROCESS: each holds
-    one of the process's request threads while it waits, and the cap keeps the others for
-    everyone else's requests, whoever holds the waits."""
+    """The long-polls this web process holds, at most API_MAX_WAITS_PER_PROCESS under WSGI
+    (each holds one of the process's request threads while it waits, and the cap keeps the
+    others for everyone else's requests, whoever holds the waits), or
+    API_MAX_WAITS_PER_EVENT_LOOP under ASGI (a wait holds no thread there)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -188,12 +191,14 @@ ALL_WAITS_HOLDER = "all"
 
 
 @contextmanager
-def long_poll_slot(agent: Agent, seconds: float) -> Iterator[None]:
+def long_poll_slot(agent: Agent, seconds: float, *, on_loop: bool = False) -> Iterator[None]:
     """Holds, while the block runs, one of the agent's API_MAX_WAITS_PER_AGENT long-poll
     slots, one of every agent's API_MAX_WAITS, and one of this process's
-    API_MAX_WAITS_PER_PROCESS; or refuses with 429 and Retry-After, saying which limit was
-    reached: each wait holds a web thread, and no one agent, nor all of them, may hold the
-    threads everyone else's requests need."""
+    API_MAX_WAITS_PER_PROCESS (API_MAX_WAITS_PER_EVENT_LOOP `on_loop`, under ASGI); or
+    refuses with 429 and Retry-After, saying which limit was reached: under WSGI each wait
+    holds a web thread, and no one agent, nor all of them, may hold the threads everyone
+    else's requests need; on an event loop a wait holds no thread, and the caps bound what
+    one client can make the server keep."""
     limit = settings.API_MAX_WAITS_PER_AGENT
     holder = _long_poll_holder(agent)
     ttl = seconds + LONG_POLL_GRACE_SECONDS
@@ -221,7 +226,9 @@ def long_poll_slot(agent: Agent, seconds: float) -> Iterator[None]:
                 {"limit": everyone, "scope": "server"},
             )
         taken.append(lambda: LONG_POLLS.release(shared))
-        here = settings.API_MAX_WAITS_PER_PROCESS
+        here = (
+            settings.API_MAX_WAITS_PER_EVENT_LOOP if on_loop else settings.API_MAX_WAITS_PER_PROCESS
+        )
         ticket = PROCESS_WAITS.take(seconds, limit=here)
         if ticket is None:
             raise Refused(
@@ -501,16 +508,6 @@ def step_out(step: Step) -> dict[str, Any]:
     }
 
 
-def wait_for_new_version(step_id: uuid.UUID, seen_version: int, seconds: float) -> None:
-    """Returns once the step's version differs from `seen_version`, or after `seconds`."""
-    deadline = time.monotonic() + seconds
-    while (remaining := deadline - time.monotonic()) > 0:
-        time.sleep(min(WAIT_POLL_SECONDS, remaining))
-        current = Step.objects.filter(pk=step_id).values_list("version", flat=True).first()
-        if current != seen_version:
-            return
-
-
 # Ids are taken as text and parsed by the handler: a malformed id is then a 404 like any
 # other unknown id, not a validation error that tells ids from non-ids.
 RunId = Annotated[str, Path(description="The run's id (a UUID).")]
@@ -676,13 +673,14 @@ def run_steps(
         "then answers the step as it is. To miss no change between two reads, pass the "
         "`version` you last saw: the answer comes at once if the step has moved on since. "
         "An agent holds at most API_MAX_WAITS_PER_AGENT waits at once (default 2), every "
-        "agent together API_MAX_WAITS (64), and one web process API_MAX_WAITS_PER_PROCESS "
-        "(4): one more answers 429 with Retry-After, its `details.scope` saying which "
-        "(absent: the agent's own)."
+        "agent together API_MAX_WAITS (1000), and one web process "
+        "API_MAX_WAITS_PER_EVENT_LOOP (500) under ASGI or API_MAX_WAITS_PER_PROCESS (4) "
+        "under WSGI: one more answers 429 with Retry-After, its `details.scope` saying "
+        "which (absent: the agent's own)."
     ),
     by_alias=True,
 )
-def step_get(
+async def step_get(
     request: HttpRequest,
     step_id: StepId,
     wait: float = Query(
@@ -695,14 +693,29 @@ def step_get(
         None, ge=1, le=MAX_INT, description="Wait until the version differs from this one."
     ),
 ) -> dict[str, Any]:
+    # Async: under an ASGI server a wait holds no thread and no database connection
+    # (executor/waits.py); under WSGI it holds the request's thread, as any request does.
     agent = _agent(request)
-    step = _step_or_404(agent, step_id)
+    on_loop = isinstance(request, ASGIRequest)
+    step = await sync_to_async(_step_or_404)(agent, step_id)
     seen = step.version if version is None else version
     if wait > 0 and step.version == seen:
-        with long_poll_slot(agent, wait):
-            wait_for_new_version(step.pk, seen, wait)
-        step = _step_or_404(agent, step_id)
+        slot = long_poll_slot(agent, wait, on_loop=on_loop)
+        # The slot's counts are in the cache (Redis with CACHE_URL): read off the loop.
+        await sync_to_async(_enter_waiting)(slot, on_loop)
+        try:
+            await waits.until_changed(step.pk, seen, wait)
+        finally:
+            await sync_to_async(slot.__exit__)(None, None, None)
+        step = await sync_to_async(_step_or_404)(agent, step_id)
     return step_out(step)
+
+
+def _enter_waiting(slot: AbstractContextManager[None], on_loop: bool) -> None:
+    slot.__enter__()  # or Refused: 429
+    if on_loop:
+        # The request's thread gives its connection back while the wait holds nothing.
+        db.connection.close()
 
 
 @api.post(

@@ -5,8 +5,9 @@ from __future__ import annotations
 import io
 import logging
 import time
-from collections.abc import Callable
+from typing import Any
 
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.conf import settings
 from django.core.handlers.wsgi import WSGIRequest
 from django.http import (
@@ -62,12 +63,45 @@ class ApiEdgeMiddleware:
     agents need the 413 that API.md promises. Also puts the error answers Django and ninja make
     themselves (an unknown URL's 404, ninja's plain-text 405, a crash's 500) in the API's
     error shape, so an agent parses every error the same way.
+
+    Sync and async (under ASGI a long-poll's await passes through it without a thread): the
+    checks before the view read only the body the server has already taken in.
     """
 
-    def __init__(self, get_response: Callable[[HttpRequest], HttpResponseBase]) -> None:
-        self.get_response = get_response
+    sync_capable = True
+    async_capable = True
 
-    def __call__(self, request: HttpRequest) -> HttpResponseBase:
+    def __init__(self, get_response: Any) -> None:
+        self.get_response = get_response
+        if iscoroutinefunction(get_response):
+            markcoroutinefunction(self)
+
+    def __call__(self, request: HttpRequest) -> Any:
+        if iscoroutinefunction(self):
+            return self._acall(request)
+        refused = self._refused(request)
+        if refused is not None:
+            return refused
+        if not request.path.startswith(API_PREFIX):
+            return self.get_response(request)
+        started = time.monotonic()
+        with logcontext.bound():
+            return self._logged(request, in_error_shape(self.get_response(request)), started)
+
+    async def _acall(self, request: HttpRequest) -> HttpResponseBase:
+        refused = self._refused(request)
+        if refused is not None:
+            return refused
+        if not request.path.startswith(API_PREFIX):
+            return await self.get_response(request)
+        started = time.monotonic()
+        with logcontext.bound():
+            response = in_error_shape(await self.get_response(request))
+            return self._logged(request, response, started)
+
+    @staticmethod
+    def _refused(request: HttpRequest) -> HttpResponseBase | None:
+        """The answer to a request whose body cannot be acted on, before any view sees it."""
         if not request.path.startswith(API_PREFIX):
             # A chunked form post is read as the API's are (Django would see it empty).
             unsized = (
@@ -81,23 +115,25 @@ class ApiEdgeMiddleware:
             refused = refuse_unreadable_body(request)
             if refused is not None:
                 return HttpResponseBadRequest(refused, content_type="text/plain; charset=utf-8")
-            return self.get_response(request)
+            return None
+        refused_api = refuse_large_body(request) or _bad_body(refuse_unreadable_body(request))
+        if refused_api is not None:
+            ApiEdgeMiddleware._logged(request, refused_api, time.monotonic())
+        return refused_api
+
+    @staticmethod
+    def _logged(
+        request: HttpRequest, response: HttpResponseBase, started: float
+    ) -> HttpResponseBase:
         # A request's log lines carry the agent, run and step it is about (logcontext).
-        started = time.monotonic()
-        with logcontext.bound():
-            response = (
-                refuse_large_body(request)
-                or _bad_body(refuse_unreadable_body(request))
-                or in_error_shape(self.get_response(request))
-            )
-            logger.info(
-                "%s %s %s in %.1f ms",
-                request.method,
-                request.path,
-                response.status_code,
-                (time.monotonic() - started) * 1000,
-            )
-            return response
+        logger.info(
+            "%s %s %s in %.1f ms",
+            request.method,
+            request.path,
+            response.status_code,
+            (time.monotonic() - started) * 1000,
+        )
+        return response
 
 
 def refuse_large_body(request: HttpRequest) -> HttpResponse | None:

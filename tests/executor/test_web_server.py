@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,7 +20,7 @@ from executor.models import Run, Step
 from executor.states import State
 from tests.support.api import AgentAuth
 from tests.support.factories import new_step
-from tests.support.webserver import WebServer, web_server
+from tests.support.webserver import WebServer, api_request, raw, web_server
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -83,41 +82,6 @@ def test_a_chunked_batch_has_the_batch_limit(server: WebServer, agent_auth: Agen
 
 
 # --- bodies that cannot be acted on ------------------------------------------------------------
-
-
-def raw(server: WebServer, request: bytes, *, half_close: bool = False) -> tuple[int, bytes]:
-    """Sends `request` as it is on a socket of its own; (status, body) of the answer.
-    `half_close`: the sender stops writing (FIN) after it, as a client cut off mid-body."""
-    host, port = server.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(request)
-        if half_close:
-            sock.shutdown(socket.SHUT_WR)
-        answer = b""
-        while part := sock.recv(65536):
-            answer += part
-    head, _, body = answer.partition(b"\r\n\r\n")
-    if b"transfer-encoding: chunked" in head.lower():
-        body = dechunked(body)
-    return int(head.split()[1]), body
-
-
-def dechunked(body: bytes) -> bytes:
-    whole = b""
-    while body:
-        size, _, body = body.partition(b"\r\n")
-        length = int(size, 16)
-        if not length:
-            break
-        whole, body = whole + body[:length], body[length + 2 :]
-    return whole
-
-
-def api_request(auth: AgentAuth, path: str, headers: str, body: bytes) -> bytes:
-    return (
-        f"POST /api/v1{path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {auth.token}\r\n"
-        f"Content-Type: application/json\r\nConnection: close\r\n{headers}\r\n"
-    ).encode() + body
 
 
 def test_a_malformed_chunked_body_is_a_400_in_the_apis_shape(

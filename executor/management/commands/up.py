@@ -181,19 +181,19 @@ class Command(BaseCommand):
         python = sys.executable
         manage = str(settings.BASE_DIR / "manage.py")
         celery = [python, "-m", "celery", "-A", "console"]
+        # An event loop a process (console/asgi.py): long-polls and slow request bodies
+        # hold no thread there, so no client can starve the others.
         web = [
             python,
             "-m",
             "gunicorn",
-            "console.wsgi",
+            "console.asgi",
             "--bind",
             address,
             "--workers",
             "2",
-            "--threads",
-            "8",
             "--worker-class",
-            "gthread",
+            "uvicorn_worker.UvicornWorker",
             "--access-logfile",
             "-",
         ]
