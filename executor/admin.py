@@ -847,12 +847,12 @@ class AttemptAdmin(ReadOnlyAdmin):
     search_fields = ["=step__id", "step__key", "worker", "error_message"]
     list_select_related = ["step"]
     date_hierarchy = "claimed_at"
-    readonly_fields = ["pretty_request", "pretty_response"]
+    readonly_fields = ["pretty_request", "pretty_response", "pretty_fenced_out"]
     fieldsets = [
         (None, {"fields": ["step", "number", "fence", "worker", "phase"]}),
         ("Evidence", {"fields": ["pretty_request", "pretty_response", "cost"]}),
         ("Error", {"fields": ["error_class", "error_message"]}),
-        ("Fenced out", {"fields": ["fenced_out_at", "fenced_out_write"]}),
+        ("Fenced out", {"fields": ["fenced_out_at", "fenced_out_write", "pretty_fenced_out"]}),
         ("Times", {"fields": ["claimed_at", "submitted_at", "finished_at"]}),
     ]
 
@@ -863,6 +863,10 @@ class AttemptAdmin(ReadOnlyAdmin):
     @admin.display(description="response evidence")
     def pretty_response(self, attempt: Attempt) -> str:
         return pretty_json(attempt.response_evidence)
+
+    @admin.display(description="what the refused write carried")
+    def pretty_fenced_out(self, attempt: Attempt) -> str:
+        return pretty_json(attempt.fenced_out_evidence)
 
 
 @admin.register(Event)

@@ -9,26 +9,50 @@ another run, and leave a chain that verifies. What a consistent rewrite by someo
 write access could still do — cut the newest events of a chain and roll the step back, or
 delete a whole step — is caught by two anchors: positions in a run are numbered without
 gaps by its StepCounter, and signed checkpoints (`checkpoint_take`, by the sweeper) record
-where every step's chain stood. What no check here can prove: changes made after the newest
-checkpoint to steps it does not list, or anything done by someone who holds the key.
+where every step's chain stood, each checkpoint's head leaving the database (`export`; checked
+by `verify_ledger --against`). The records beside the chains are covered as executor/seals.py
+says: approvals and attempts through their steps' Events (and closed attempts through the
+checkpoints), run events and budgets through each run's own chain and seal. What no check
+here can prove: changes made after the newest checkpoint to steps it does not list, or
+anything done by someone who holds the key.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import uuid
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
 
+from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import Count, Max, Min, Q
 from django.utils import timezone
 
-from executor.models import Checkpoint, Event, Step, StepCounter, call_hash
+from executor.models import (
+    OPEN_PHASES,
+    Approval,
+    Attempt,
+    Checkpoint,
+    Event,
+    Run,
+    RunEvent,
+    Step,
+    StepCounter,
+    call_hash,
+)
+from executor.seals import attempt_digest, digest_of_approval, run_seal
 from executor.transitions import digest_after, event_hash
 
-# Steps per chunk: each chunk costs two queries (its steps, then all their events).
+logger = logging.getLogger(__name__)
+
+# Steps per chunk: each chunk costs four queries (its steps, then all their events,
+# approvals and attempts).
 DEFAULT_CHUNK_SIZE = 500
 # A step moved by a live worker between the two reads of its chunk looks broken; it is
 # read again on its own before it is reported, a few times for a busy step.
@@ -36,6 +60,22 @@ RECHECKS = 3
 # A checkpoint lists the steps updated since the one before, less this margin: a move
 # stamped just before a checkpoint but committed just after it is listed by the next.
 CHECKPOINT_OVERLAP = timedelta(minutes=5)
+
+ATTEMPT_FIELDS = (
+    "id",
+    "step_id",
+    "number",
+    "fence",
+    "worker",
+    "phase",
+    "request_evidence",
+    "response_evidence",
+    "error_class",
+    "error_message",
+    "cost",
+)
+# The first Event format whose steps name every approval in their chain (EVENT_FORMAT 3).
+RECORDS_FORMAT = 3
 
 STEP_FIELDS = (
     "id",
@@ -172,6 +212,7 @@ def verify_chain(
     """
     report = ChainReport()
     for steps, events_by_step in _chunks(step_ids, chunk_size):
+        records = _records_of([step.pk for step in steps])
         for step in steps:
             events = events_by_step.get(step.pk, [])
             finding = step_chain_finding(step, events)
@@ -181,18 +222,168 @@ def verify_chain(
             report.events += len(events)
             if finding is not None:
                 report.findings.append(finding)
+            else:
+                report.findings += record_findings(step, events, *records.get(step.pk, ([], [])))
     return report
 
 
-def verify_ledger(*, chunk_size: int = DEFAULT_CHUNK_SIZE) -> ChainReport:
-    """Every step's chain, the runs' numbering and the checkpoints: each break named."""
-    report = verify_chain(chunk_size=chunk_size)
+def record_findings(
+    step: Step, events: Sequence[Event], approvals: Sequence[Approval], attempts: Sequence[Any]
+) -> list[Finding]:
+    """What is wrong with the approvals and attempts beside a step's (sound) chain.
+
+    Each approval an Event recorded must still be there as it was (its digest), and each
+    attempt a claim Event opened must still exist; on steps written since the chain names
+    them (RECORDS_FORMAT), an approval or attempt no Event names was put there by hand.
+    """
+    findings = []
+    by_digest = {digest_of_approval(approval): approval for approval in approvals}
+    numbers = {attempt.number for attempt in attempts}
+    named_digests, named_numbers = set(), set()
+    for event in events:
+        digest = event.data.get("approval_digest") if isinstance(event.data, dict) else None
+        if isinstance(digest, str):
+            named_digests.add(digest)
+            if digest not in by_digest:
+                findings.append(
+                    Finding(
+                        step.pk,
+                        event.pk,
+                        event.seq,
+                        "the approval it recorded is no longer there as it was: its approver, "
+                        "reason, input hash or policy version was edited, or it was deleted",
+                    )
+                )
+        number = event.data.get("attempt") if isinstance(event.data, dict) else None
+        if isinstance(number, int):
+            named_numbers.add(number)
+            if number not in numbers:
+                findings.append(
+                    Finding(step.pk, event.pk, event.seq, f"attempt {number} it opened was deleted")
+                )
+    if events and events[0].format >= RECORDS_FORMAT:
+        for digest, approval in by_digest.items():
+            if digest not in named_digests:
+                findings.append(
+                    Finding(
+                        step.pk,
+                        None,
+                        None,
+                        f"approval {approval.pk} is recorded by no event: it was added or "
+                        f"edited behind the application's back",
+                    )
+                )
+        for number in sorted(numbers - named_numbers):
+            findings.append(
+                Finding(
+                    step.pk,
+                    None,
+                    None,
+                    f"attempt {number} was opened by no claim: it was added behind the "
+                    f"application's back",
+                )
+            )
+    return findings
+
+
+def _records_of(
+    step_ids: list[uuid.UUID],
+) -> dict[uuid.UUID, tuple[list[Approval], list[Any]]]:
+    records: dict[uuid.UUID, tuple[list[Approval], list[Any]]] = defaultdict(lambda: ([], []))
+    for approval in Approval.objects.filter(step_id__in=step_ids).order_by("pk"):
+        records[approval.step_id][0].append(approval)
+    for attempt in Attempt.objects.filter(step_id__in=step_ids).only("id", "step_id", "number"):
+        records[attempt.step_id][1].append(attempt)
+    return records
+
+
+class NoSuchCheckpoint(ValueError):
+    """`verify_ledger(since=N)` names a checkpoint the database does not hold."""
+
+
+def verify_ledger(
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    since: int | None = None,
+    against: Sequence[tuple[int, str]] = (),
+) -> ChainReport:
+    """Every step's chain and records, every run's events and budget, the runs' numbering
+    and the checkpoints: each break named.
+
+    `since` (a checkpoint's number) verifies incrementally: only the steps and runs changed
+    since that checkpoint was taken, and the checkpoints from it on. `against` holds
+    checkpoint heads kept outside the database (`read_exported`), which the database's
+    checkpoints must still hold.
+    """
+    changed_after: datetime | None = None
+    if since is not None:
+        start = Checkpoint.objects.filter(seq=since).first()
+        if start is None:
+            raise NoSuchCheckpoint(f"there is no checkpoint {since}")
+        changed_after = start.taken_at - CHECKPOINT_OVERLAP
+    step_ids = (
+        None
+        if changed_after is None
+        else Step.objects.filter(updated_at__gte=changed_after).values_list("pk", flat=True)
+    )
+    report = verify_chain(step_ids=step_ids, chunk_size=chunk_size)
+    report.findings += run_findings(changed_after=changed_after, chunk_size=chunk_size)
     report.findings += position_findings()
-    checkpoint_report = verify_checkpoints()
+    checkpoint_report = verify_checkpoints(since=since)
     report.findings += checkpoint_report.findings
+    report.findings += exported_findings(against)
     report.checkpoints = checkpoint_report.checkpoints
     report.newest_checkpoint = checkpoint_report.newest_checkpoint
     return report
+
+
+def run_findings(
+    *, changed_after: datetime | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> list[Finding]:
+    """Each run's events chained (id order, keyed) and its budget sealed to the newest."""
+    findings: list[Finding] = []
+    runs = Run.objects.only("id", "max_calls", "max_cost", "deadline", "seal").order_by("pk")
+    if changed_after is not None:
+        runs = runs.filter(updated_at__gte=changed_after)
+    last_pk: uuid.UUID | None = None
+    while True:
+        page = list((runs if last_pk is None else runs.filter(pk__gt=last_pk))[:chunk_size])
+        if not page:
+            return findings
+        last_pk = page[-1].pk
+        events: dict[uuid.UUID, list[RunEvent]] = defaultdict(list)
+        for event in RunEvent.objects.filter(run_id__in=[run.pk for run in page]).order_by("pk"):
+            events[event.run_id].append(event)
+        for run in page:
+            finding = run_chain_finding(run, events.get(run.pk, []))
+            if finding is not None:
+                findings.append(finding)
+
+
+def run_chain_finding(run: Run, events: Sequence[RunEvent]) -> Finding | None:
+    subject = f"run {run.pk}"
+    head = ""
+    for event in events:
+        where = f"run event {event.pk} ({event.action})"
+        if event.prev_hash != head:
+            return _anchor(
+                subject,
+                f"{where} does not link to the run event before it: one was deleted or inserted",
+            )
+        if event_hash(event.content()) != event.hash:
+            return _anchor(
+                subject,
+                f"{where}: its content does not match its hash: its actor, "
+                f"reason or data was edited",
+            )
+        head = event.hash
+    if run.seal != run_seal(run, head):
+        return _anchor(
+            subject,
+            "its budget (max_calls, max_cost, deadline) or its newest run events are not what "
+            "was sealed: the budget was edited or run events were cut",
+        )
+    return None
 
 
 def _chunks(
@@ -287,15 +478,14 @@ def checkpoint_take(*, now: datetime | None = None) -> Checkpoint | None:
     steps = Step.objects.order_by("pk")
     if since is not None:
         steps = steps.filter(updated_at__gte=since)
-    heads = [
-        [str(pk), str(run_id), version, head]
-        for pk, run_id, version, head in steps.values_list("pk", "run_id", "version", "head_hash")
-    ]
+    rows = list(steps.values_list("pk", "run_id", "version", "head_hash"))
+    heads = [[str(pk), str(run_id), version, head] for pk, run_id, version, head in rows]
     checkpoint = Checkpoint(
         seq=(previous.seq + 1) if previous else 1,
         taken_at=now,
         since=since,
         heads=heads,
+        attempts=_closed_attempts([pk for pk, _, _, _ in rows]),
         prev_hash=previous.hash if previous else "",
     )
     checkpoint.hash = event_hash(checkpoint.content())
@@ -304,18 +494,126 @@ def checkpoint_take(*, now: datetime | None = None) -> Checkpoint | None:
             checkpoint.save(force_insert=True)
     except IntegrityError:
         return None
+    export(checkpoint)
     return checkpoint
 
 
-def verify_checkpoints() -> ChainReport:
-    """The checkpoints' own chain, and every step they list against the ledger now."""
+def _closed_attempts(step_ids: list[uuid.UUID]) -> list[list[str]]:
+    """`[attempt, step, digest]` of the closed attempts of `step_ids` (which never change)."""
+    closed = []
+    for start in range(0, len(step_ids), DEFAULT_CHUNK_SIZE):
+        rows = (
+            Attempt.objects.filter(step_id__in=step_ids[start : start + DEFAULT_CHUNK_SIZE])
+            .exclude(phase__in=OPEN_PHASES)
+            .only(*ATTEMPT_FIELDS)
+            .order_by("pk")
+        )
+        closed += [[str(a.pk), str(a.step_id), attempt_digest(a)] for a in rows]
+    return closed
+
+
+# --- anchors outside the database ----------------------------------------------------------
+
+EXPORT_MARK = "checkpoint signed "
+
+
+def export(checkpoint: Checkpoint) -> None:
+    """Writes the checkpoint's head where the database's owner cannot rewrite it alone: a
+    log line always (ship the logs elsewhere), and a line appended to
+    EXECUTOR_CHECKPOINT_EXPORT when it names a file. `verify_ledger --against` reads either."""
+    line = json.dumps(
+        {
+            "seq": checkpoint.seq,
+            "hash": checkpoint.hash,
+            "taken_at": checkpoint.taken_at.isoformat(),
+        }
+    )
+    logger.info("%s%s", EXPORT_MARK, line)
+    path = settings.EXECUTOR_CHECKPOINT_EXPORT
+    if not path:
+        return
+    try:
+        with Path(path).open("a", encoding="utf-8") as out:
+            out.write(f"{EXPORT_MARK}{line}\n")
+    except OSError as error:
+        # The checkpoint itself is signed and stored; the next one's head, which chains to
+        # it, is exported in its turn.
+        logger.error("could not append checkpoint %s to %s: %s", checkpoint.seq, path, error)
+
+
+def read_exported(path: str | Path) -> list[tuple[int, str]]:
+    """The (seq, hash) pairs in a file of exported checkpoint heads, or in a log holding the
+    lines `export` wrote; other lines are ignored. Raises ValueError naming a bad line."""
+    heads = []
+    with Path(path).open(encoding="utf-8", errors="replace") as lines:
+        for number, line in enumerate(lines, start=1):
+            text = _logged_message(line)
+            at = text.find(EXPORT_MARK)
+            if at < 0:
+                continue
+            try:
+                head = json.loads(text[at + len(EXPORT_MARK) :])
+                heads.append((int(head["seq"]), str(head["hash"])))
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"{path}:{number}: not an exported checkpoint head") from None
+    return heads
+
+
+def _logged_message(line: str) -> str:
+    """The message of a line of a JSON log (LOG_FORMAT=json), or the line itself."""
+    if line.lstrip().startswith("{") and EXPORT_MARK in line:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            return line
+        if isinstance(record, dict) and isinstance(record.get("message"), str):
+            return str(record["message"])
+    return line
+
+
+def exported_findings(against: Sequence[tuple[int, str]]) -> list[Finding]:
+    """Each head kept outside must still be in the database, unchanged."""
+    if not against:
+        return []
+    stored = dict(
+        Checkpoint.objects.filter(seq__in=[seq for seq, _ in against]).values_list("seq", "hash")
+    )
+    findings = []
+    for seq, hash_ in against:
+        subject = f"checkpoint {seq}"
+        if seq not in stored:
+            findings.append(
+                _anchor(
+                    subject,
+                    "is kept outside the database but is missing from it: checkpoints were deleted",
+                )
+            )
+        elif stored[seq] != hash_:
+            findings.append(
+                _anchor(
+                    subject,
+                    f"is not the one kept outside the database (hash "
+                    f"{hash_[:12]}, here {stored[seq][:12]}): it was rewritten",
+                )
+            )
+    return findings
+
+
+def verify_checkpoints(*, since: int | None = None) -> ChainReport:
+    """The checkpoints' own chain (from checkpoint `since` on), and every step and closed
+    attempt they list against the ledger now."""
     report = ChainReport()
     listed: dict[str, tuple[str, int, str, int]] = {}
+    listed_attempts: dict[str, tuple[str, str, int]] = {}
+    checkpoints = Checkpoint.objects.order_by("seq")
     previous: Checkpoint | None = None
-    for checkpoint in Checkpoint.objects.order_by("seq").iterator():
+    if since is not None:
+        checkpoints = checkpoints.filter(seq__gte=since)
+        previous = Checkpoint.objects.filter(seq=since - 1).first()
+    for checkpoint in checkpoints.iterator():
         report.checkpoints += 1
         subject = f"checkpoint {checkpoint.seq}"
-        expected_seq = previous.seq + 1 if previous else 1
+        expected_seq = previous.seq + 1 if previous else (since or 1)
         if checkpoint.seq != expected_seq:
             report.findings.append(_anchor(subject, f"checkpoint {expected_seq} is missing"))
         if checkpoint.prev_hash != (previous.hash if previous else ""):
@@ -324,10 +622,13 @@ def verify_checkpoints() -> ChainReport:
             report.findings.append(_anchor(subject, "its content does not match its hash"))
         for step_id, run_id, version, head in checkpoint.heads:
             listed[step_id] = (run_id, version, head, checkpoint.seq)
+        for attempt_id, step_id, digest in checkpoint.attempts:
+            listed_attempts[attempt_id] = (step_id, digest, checkpoint.seq)
         previous = checkpoint
     report.newest_checkpoint = previous
     if not listed:
         return report
+    report.findings += _listed_attempt_findings(listed_attempts)
     rows: dict[str, tuple[str, int]] = {}
     hashes: dict[tuple[str, int], str] = {}
     entries = list(listed.items())
@@ -365,6 +666,37 @@ def verify_checkpoints() -> ChainReport:
                 )
             )
     return report
+
+
+def _listed_attempt_findings(listed: dict[str, tuple[str, str, int]]) -> list[Finding]:
+    findings = []
+    entries = list(listed.items())
+    for start in range(0, len(entries), DEFAULT_CHUNK_SIZE):
+        chunk = dict(entries[start : start + DEFAULT_CHUNK_SIZE])
+        found = {
+            str(attempt.pk): attempt
+            for attempt in Attempt.objects.filter(pk__in=[int(pk) for pk in chunk]).only(
+                *ATTEMPT_FIELDS
+            )
+        }
+        wanted = {step_id for step_id, _, _ in chunk.values()}
+        present = Step.objects.filter(pk__in=[uuid.UUID(step_id) for step_id in wanted])
+        gone_steps = wanted - {str(pk) for pk in present.values_list("pk", flat=True)}
+        for attempt_id, (step_id, digest, seq) in chunk.items():
+            subject = f"attempt {attempt_id} of step {step_id} (in checkpoint {seq})"
+            attempt = found.get(attempt_id)
+            if attempt is None:
+                if step_id not in gone_steps:  # a deleted step is named as such already
+                    findings.append(_anchor(subject, "was deleted"))
+            elif attempt_digest(attempt) != digest:
+                findings.append(
+                    _anchor(
+                        subject,
+                        "is not what was signed: its evidence, error, cost, worker or fence "
+                        "was edited",
+                    )
+                )
+    return findings
 
 
 def _anchor(subject: str, problem: str) -> Finding:

@@ -428,6 +428,9 @@ class Run(models.Model):
     used_calls = models.PositiveIntegerField(default=0)
     used_cost = models.DecimalField(max_digits=14, decimal_places=4, default=Decimal(0))
     version = models.PositiveIntegerField(default=1)
+    # An HMAC over the run's budgets and the hash of its newest RunEvent (DESIGN.md §15):
+    # a budget edited, or run events cut, behind the application's back shows.
+    seal = models.CharField(max_length=64, blank=True, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -620,6 +623,9 @@ class Attempt(models.Model):
     # A write this worker tried after its lease was taken over, refused by the fence.
     fenced_out_at = models.DateTimeField(null=True, blank=True)
     fenced_out_write = models.CharField(max_length=200, blank=True)
+    # What that worker's refused write carried. A note outside the chain: a closed attempt's
+    # own fields never change again, so the checkpoints can sign them (DESIGN.md §15).
+    fenced_out_evidence = models.JSONField(null=True, blank=True)
     claimed_at = models.DateTimeField(auto_now_add=True)
     submitted_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
@@ -646,7 +652,10 @@ class Attempt(models.Model):
         return f"attempt {self.number} of {self.step_id}"
 
 
-EVENT_FORMAT = 2
+# What an Event's hash covers: 1 for events written before it covered the run and the
+# step_digest (DESIGN.md §15), 2 since; 3 also means that each approval of the step is named
+# by the digest of its content in the data of the event that recorded it.
+EVENT_FORMAT = 3
 
 
 class Event(models.Model):
@@ -671,8 +680,7 @@ class Event(models.Model):
     # A digest of what the step was right after this move (its run, key, tool, input hash,
     # state, external id and result): the hash covers it, so an edit of the step row shows.
     step_digest = models.CharField(max_length=64, blank=True)
-    # What the hash covers: 1 for events written before it covered the run and the
-    # step_digest (DESIGN.md §15), 2 since.
+    # EVENT_FORMAT when it was written.
     format = models.PositiveSmallIntegerField(default=EVENT_FORMAT)
 
     class Meta:
@@ -788,6 +796,9 @@ class Checkpoint(models.Model):
     # Steps updated at or after this were listed (None: every step).
     since = models.DateTimeField(null=True, blank=True)
     heads = models.JSONField(default=list)
+    # `[attempt id, step id, digest]` of every closed attempt of the listed steps: evidence
+    # and errors edited, or attempts deleted, after a checkpoint show.
+    attempts = models.JSONField(default=list, blank=True)
     prev_hash = models.CharField(max_length=64, blank=True)
     hash = models.CharField(max_length=64)
 
@@ -798,13 +809,16 @@ class Checkpoint(models.Model):
         return f"checkpoint {self.seq} at {self.taken_at:%Y-%m-%d %H:%M:%S}"
 
     def content(self) -> dict[str, Any]:
-        return {
+        content: dict[str, Any] = {
             "seq": self.seq,
             "taken_at": self.taken_at.isoformat(),
             "since": self.since.isoformat() if self.since else None,
             "heads": self.heads,
             "prev": self.prev_hash,
         }
+        if self.attempts:
+            content["attempts"] = self.attempts
+        return content
 
 
 class SweeperLease(models.Model):
@@ -832,7 +846,10 @@ class RunEvent(models.Model):
     actor = models.CharField(max_length=200)
     reason = models.TextField(blank=True)
     data = models.JSONField(default=dict, blank=True)
-    created_at = models.DateTimeField(auto_now_add=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    # Chained per run in id order and keyed like the step Events (DESIGN.md §15).
+    prev_hash = models.CharField(max_length=64, blank=True, editable=False)
+    hash = models.CharField(max_length=64, blank=True, editable=False)
 
     class Meta:
         ordering = ["run", "created_at", "id"]
@@ -840,3 +857,15 @@ class RunEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.action} by {self.actor}"
+
+    def content(self) -> dict[str, Any]:
+        """What the run event's hash covers."""
+        return {
+            "run": str(self.run_id),
+            "action": self.action,
+            "actor": self.actor,
+            "reason": self.reason,
+            "data": self.data,
+            "at": self.created_at.isoformat(),
+            "prev": self.prev_hash,
+        }

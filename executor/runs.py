@@ -25,6 +25,8 @@ from django.db.models import F
 from django.utils import timezone
 
 from executor.models import Run, RunAction, RunEvent, RunStatus
+from executor.seals import run_seal
+from executor.transitions import event_hash
 
 
 def pause(run: Run, *, reason: str, actor: str = "policy", now: datetime | None = None) -> bool:
@@ -71,9 +73,38 @@ def cancel(run: Run, *, actor: str, reason: str, now: datetime | None = None) ->
 
 def budget_extended(run: Run, *, actor: str, reason: str, data: dict[str, Any]) -> RunEvent:
     """Records a budget raise the caller has saved on the (locked) run; no status moves."""
-    return RunEvent.objects.create(
-        run=run, action=RunAction.BUDGET_EXTENDED, actor=actor, reason=reason, data=data
+    return _record(run.pk, RunAction.BUDGET_EXTENDED, actor=actor, reason=reason, data=data)
+
+
+def _record(
+    run_id: Any,
+    action: RunAction,
+    *,
+    actor: str,
+    reason: str,
+    data: dict[str, Any] | None = None,
+) -> RunEvent:
+    """Appends a RunEvent to the run's chain and seals the run's budgets to it (DESIGN.md
+    §15). Called with the run's row locked by the caller's write, in its transaction, so
+    two records of one run never link to the same predecessor."""
+    head = (
+        RunEvent.objects.filter(run_id=run_id).order_by("-pk").values_list("hash", flat=True)
+    ).first() or ""
+    event = RunEvent(
+        run_id=run_id,
+        action=action,
+        actor=actor,
+        reason=reason,
+        data=data or {},
+        # When it is written, as the chain's order (ids) has it; not the caller's `now`.
+        created_at=timezone.now(),
+        prev_hash=head,
     )
+    event.hash = event_hash(event.content())
+    event.save(force_insert=True)
+    budgets = Run.objects.only("max_calls", "max_cost", "deadline").get(pk=run_id)
+    Run.objects.filter(pk=run_id).update(seal=run_seal(budgets, event.hash))
+    return event
 
 
 def _move(
@@ -99,7 +130,7 @@ def _move(
             == 1
         )
         if moved:
-            RunEvent.objects.create(run_id=run.pk, action=action, actor=actor, reason=reason)
+            _record(run.pk, action, actor=actor, reason=reason)
     if moved:
         run.status, run.pause_reason = target, pause_reason
         run.version += 1

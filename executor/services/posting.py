@@ -10,7 +10,7 @@ from typing import Any
 from django.db import IntegrityError
 from django.utils import timezone
 
-from executor import bulk, dispatch, policy, transitions
+from executor import bulk, dispatch, policy, seals, transitions
 from executor.models import (
     Agent,
     Approval,
@@ -143,8 +143,8 @@ def _steps_post_once(
     may = policy.Facts(grants=grants)
 
     steps: list[Step] = []
-    # Each new step, the policy version that approved it (None: a person must), its history.
-    new: list[tuple[Step, str | None, list[transitions.Posted]]] = []
+    # Each new step, the policy's approval of it (None: a person must approve it), its history.
+    new: list[tuple[Step, Approval | None, list[transitions.Posted]]] = []
     seen: dict[str, Step] = {}
     now = timezone.now()
     actor = agent_actor(agent)
@@ -178,21 +178,16 @@ def _steps_post_once(
         )
         needs_person = may.needs_person(run.workspace_id, tool, request.input)
         version = may.approval_version(run.workspace_id, tool)
-        history = _posted_history(
-            step, known, seen, needs_person=needs_person, version=version, actor=actor, now=now
-        )
-        new.append((step, None if needs_person else version, history))
+        approval = None if needs_person else policy_approval(step=step, version=version, now=now)
+        history = _posted_history(step, known, seen, approval=approval, actor=actor, now=now)
+        new.append((step, approval, history))
         steps.append(step)
         seen[request.key] = step
     made = {step.pk for step, _, _ in new}
     created = [step.pk in made for step in steps]
     if not new:
         return steps, created
-    approvals = [
-        policy_approval(step=step, version=version, now=now)
-        for step, version, _ in new
-        if version is not None
-    ]
+    approvals = [approval for _, approval, _ in new if approval is not None]
     with transitions.for_insert_many():
         transitions.insert_many(
             [(step, history) for step, _, history in new],
@@ -256,23 +251,25 @@ def _posted_history(
     known: dict[str, Step],
     seen: dict[str, Step],
     *,
-    needs_person: bool,
-    version: str,
+    approval: Approval | None,
     actor: str,
     now: datetime,
 ) -> list[transitions.Posted]:
     """The states a new step passes through as it is recorded, as separate moves would:
-    posted; approved by the policy (unless a person must approve it); pending once its
-    dependencies are completed, or cancelled if one never will be."""
+    posted; approved by the policy (unless a person must approve it: no `approval`); pending
+    once its dependencies are completed, or cancelled if one never will be."""
     history = [transitions.Posted(State.PLANNED, actor, "posted by the agent")]
-    if needs_person:
+    if approval is None:
         return history
     history.append(
         transitions.Posted(
             State.APPROVED,
             "policy",
-            "the tool's policy needs no approval",
-            {"policy_version": version},
+            POLICY_APPROVES,
+            {
+                "policy_version": approval.policy_version,
+                "approval_digest": seals.digest_of_approval(approval),
+            },
         )
     )
     states = {k: (known.get(k) or seen[k]).state for k in step.depends_on}
@@ -312,9 +309,12 @@ def policy_approval(*, step: Step, version: str, now: datetime) -> Approval:
         tool=step.tool_id,
         policy_version=version,
         approver=None,
-        reason="the tool's policy needs no approval",
+        reason=POLICY_APPROVES,
         approved_at=now,
     )
+
+
+POLICY_APPROVES = "the tool's policy needs no approval"
 
 
 def step_record_policy_approval(*, step: Step, now: datetime) -> Approval:

@@ -13,7 +13,7 @@ from django.db import transaction
 from django.db.models import TextChoices
 from django.utils import timezone
 
-from executor import dispatch, policy, progress, recovery, transitions
+from executor import dispatch, policy, progress, recovery, seals, transitions
 from executor.models import (
     Approval,
     Effect,
@@ -109,9 +109,7 @@ def step_approve(*, step: Step, user: User, version: int, reason: str) -> Step:
     now = timezone.now()
     with transaction.atomic():
         approval = _approve(step, user=user, reason=reason, now=now)
-        _decide(
-            step, State.APPROVED, user=user, reason=reason, data={"approval": approval.pk}, now=now
-        )
+        _decide(step, State.APPROVED, user=user, reason=reason, data=recorded(approval), now=now)
         progress.promote_ready(run_ids=[step.run_id], steps=[step], now=now)
     return step
 
@@ -290,17 +288,24 @@ def step_probe(*, step: Step, user: User, version: int, reason: str) -> str:
     return outcome
 
 
-def _replay_approval(step: Step, *, user: User, reason: str, now: datetime) -> None:
-    """A replay is a new execution: it needs an approval of its own."""
+def recorded(approval: Approval | None) -> dict[str, Any]:
+    """What the Event that records a new approval says of it: the chain then covers the
+    approval's content (executor/seals.py)."""
+    if approval is None:
+        return {}
+    return {"approval": approval.pk, "approval_digest": seals.digest_of_approval(approval)}
+
+
+def _replay_approval(step: Step, *, user: User, reason: str, now: datetime) -> Approval | None:
+    """A replay is a new execution: it needs an approval of its own (None: it has one)."""
     if Approval.objects.filter(
         step=step, consumed_at__isnull=True, revoked_at__isnull=True
     ).exists():
-        return
+        return None
     if step.compensates_id or step_needs_person(step):
         require_perm(user, approval_permission(step), step.run.workspace)
-        _approve(step, user=user, reason=reason, now=now)
-    else:
-        step_record_policy_approval(step=step, now=now)
+        return _approve(step, user=user, reason=reason, now=now)
+    return step_record_policy_approval(step=step, now=now)
 
 
 def deadletter_replay(*, step: Step, user: User, version: int, reason: str) -> Step:
@@ -315,7 +320,7 @@ def deadletter_replay(*, step: Step, user: User, version: int, reason: str) -> S
         raise Conflict("this step may have had an effect; it cannot be replayed")
     now = timezone.now()
     with transaction.atomic():
-        _replay_approval(step, user=user, reason=reason, now=now)
+        approval = _replay_approval(step, user=user, reason=reason, now=now)
         _decide(
             step,
             State.PENDING,
@@ -328,7 +333,7 @@ def deadletter_replay(*, step: Step, user: User, version: int, reason: str) -> S
                 "failure_class": "",
                 "failure_message": "",
             },
-            data={"replayed_from": step.state},
+            data={"replayed_from": step.state, **recorded(approval)},
         )
         dispatch.execute(step.pk)
     return step
@@ -358,7 +363,7 @@ def step_resume(*, step: Step, user: User, version: int, reason: str) -> Step:
     require_perm(user, approval_permission(step), step.run.workspace)
     now = timezone.now()
     with transaction.atomic():
-        _approve(step, user=user, reason=reason, now=now)
+        approval = _approve(step, user=user, reason=reason, now=now)
         _decide(
             step,
             State.PENDING,
@@ -366,6 +371,7 @@ def step_resume(*, step: Step, user: User, version: int, reason: str) -> Step:
             reason=reason,
             now=now,
             changes={"not_before": now, "failure_message": ""},
+            data=recorded(approval),
         )
         dispatch.execute(step.pk)
     return step

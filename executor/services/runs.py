@@ -19,6 +19,7 @@ from executor.models import (
     Step,
     canonical_hash,
 )
+from executor.seals import run_seal
 from executor.services.base import (
     AlreadyHandled,
     Conflict,
@@ -67,6 +68,8 @@ def run_create(
         max_cost=max_cost,
         deadline=now + timedelta(seconds=deadline_seconds) if deadline_seconds else None,
     )
+    # Sealed to its budgets before it is written (DESIGN.md §15).
+    run.seal = run_seal(run, "")
     try:
         with transaction.atomic():
             run.save(force_insert=True)

@@ -19,9 +19,22 @@ from django.core.management import CommandError, call_command
 from django.db import connection
 from django.utils import timezone
 
-from executor import dispatch, engine, ledger, services, sweeper
-from executor.models import Agent, Approval, Attempt, Checkpoint, Event, Run, Step, call_hash
+from executor import dispatch, engine, ledger, runs, services, sweeper
+from executor.models import (
+    Agent,
+    Approval,
+    Attempt,
+    Checkpoint,
+    Event,
+    Run,
+    RunAction,
+    RunEvent,
+    Step,
+    Workspace,
+    call_hash,
+)
 from executor.states import State
+from tests.support import tooling
 
 pytestmark = pytest.mark.django_db
 
@@ -54,6 +67,18 @@ def completed_steps(agent: Agent, run: Run, count: int = 3) -> list[Step]:
     return [Step.objects.get(pk=step.pk) for step in steps]
 
 
+def cut_tail(step: Step) -> None:
+    """Deletes the step's newest Event and rolls the step row back to the one before, as
+    consistently as someone without the key can."""
+    running = Event.objects.get(step=step, seq=step.version - 1)
+    sql(f"DELETE FROM {EVENTS} WHERE step_id = %s AND seq = %s", [step.pk.hex, step.version])
+    sql(
+        f"UPDATE {STEPS} SET state = %s, version = %s, head_hash = %s, result = NULL, "
+        "external_id = '', lease_owner = 'w1', lease_expires_at = %s WHERE id = %s",
+        [State.RUNNING, step.version - 1, running.hash, timezone.now(), step.pk.hex],
+    )
+
+
 def verify() -> list[str]:
     """The command's findings; it must fail (exit non-zero)."""
     out = StringIO()
@@ -77,13 +102,7 @@ def test_an_untouched_ledger_verifies_with_its_checkpoints(agent: Agent, run: Ru
 def test_cutting_a_chains_tail_and_rolling_the_step_back_is_caught(agent: Agent, run: Run) -> None:
     steps = completed_steps(agent, run)
     cut = steps[1]
-    running = Event.objects.get(step=cut, seq=cut.version - 1)
-    sql(f"DELETE FROM {EVENTS} WHERE step_id = %s AND seq = %s", [cut.pk.hex, cut.version])
-    sql(
-        f"UPDATE {STEPS} SET state = %s, version = %s, head_hash = %s, result = NULL, "
-        "external_id = '', lease_owner = 'w1', lease_expires_at = %s WHERE id = %s",
-        [State.RUNNING, cut.version - 1, running.hash, timezone.now(), cut.pk.hex],
-    )
+    cut_tail(cut)
 
     findings = verify()
 
@@ -213,3 +232,320 @@ def test_the_sweeper_signs_a_checkpoint_when_one_is_due(
     assert newest is not None
     assert newest.seq == 2
     assert {head[0] for head in newest.heads} == {str(s.pk) for s in Step.objects.all()}
+
+
+# --- approvals, attempts, run events and budgets are in the chain too ------------------------
+
+RUNS = Run._meta.db_table
+RUN_EVENTS = RunEvent._meta.db_table
+
+
+@pytest.fixture
+def decided(agent: Agent, workspace: Workspace, reviewer: Any) -> Iterator[dict[str, Any]]:
+    """A run with a budget whose step a reviewer approved and the engine completed, whose
+    budget a reviewer extended, paused and resumed; then a checkpoint."""
+    with tooling.installed(agent):
+        yield _decided(agent, workspace, reviewer)
+
+
+def _decided(agent: Agent, workspace: Workspace, reviewer: Any) -> dict[str, Any]:
+    run, _ = services.run_create(agent=agent, name="decided", max_calls=5)
+    services.tool_policy_set(workspace=workspace, tool="test.pure", approval="always")
+    step, _ = services.step_post(agent=agent, run=run, key="k", tool_name="test.pure", input={})
+    services.step_approve(step=step, user=reviewer, version=step.version, reason="looks right")
+    assert engine.process(step.pk, worker="w1") == State.COMPLETED
+    services.run_extend_budget(
+        run=run, user=reviewer, version=run.version, reason="more room", add_calls=5
+    )
+    runs.pause(run, reason="deadline check", actor="policy")
+    runs.resume(run, actor="user:bob", reason="carry on")
+    assert ledger.checkpoint_take() is not None
+    approval = Approval.objects.get(step=step, approver=reviewer)
+    return {"run": run, "step": step, "approval": approval, "attempt": step.attempts.get()}
+
+
+def test_an_untouched_ledger_with_decisions_verifies(decided: dict[str, Any]) -> None:
+    out = StringIO()
+
+    call_command("verify_ledger", stdout=out)
+
+    assert out.getvalue().splitlines()[0].endswith(" 0 broken")
+
+
+@pytest.mark.parametrize(
+    ("column", "value"),
+    [("reason", "rubber-stamped"), ("input_hash", "0" * 64), ("approver_id", None)],
+    ids=["reason", "input_hash", "approver"],
+)
+def test_editing_an_approval_is_caught(
+    decided: dict[str, Any], owner: Any, column: str, value: Any
+) -> None:
+    approval, step = decided["approval"], decided["step"]
+    value = owner.pk if column == "approver_id" else value
+    sql(f"UPDATE {APPROVALS} SET {column} = %s WHERE id = %s", [value, approval.pk])
+
+    findings = verify()
+
+    approved = Event.objects.get(step=step, to_state=State.APPROVED)
+    assert findings == [
+        f"step {step.pk}: event {approved.pk} (seq {approved.seq}): the approval it recorded "
+        "is no longer there as it was: its approver, reason, input hash or policy version was "
+        "edited, or it was deleted",
+        f"step {step.pk}: no event: approval {approval.pk} is recorded by no event: it was "
+        "added or edited behind the application's back",
+    ]
+
+
+def test_deleting_an_approval_is_caught(decided: dict[str, Any]) -> None:
+    approval, step = decided["approval"], decided["step"]
+    sql(f"DELETE FROM {APPROVALS} WHERE id = %s", [approval.pk])
+
+    [finding] = verify()
+
+    assert finding.startswith(f"step {step.pk}: event ")
+    assert finding.endswith(
+        "the approval it recorded is no longer there as it was: its "
+        "approver, reason, input hash or policy version was edited, or it "
+        "was deleted"
+    )
+
+
+def test_editing_the_policys_approval_of_a_posted_step_is_caught(agent: Agent, run: Run) -> None:
+    [step, *_] = completed_steps(agent, run, 1)
+    sql(f"UPDATE {APPROVALS} SET policy_version = %s WHERE step_id = %s", ["v0", step.pk.hex])
+
+    findings = verify()
+
+    assert len(findings) == 2
+    assert "the approval it recorded is no longer there as it was" in findings[0]
+    assert "is recorded by no event" in findings[1]
+
+
+def test_an_approval_added_by_hand_is_caught(decided: dict[str, Any], owner: Any) -> None:
+    step = decided["step"]
+    forged = Approval.objects.create(
+        step=step,
+        input_hash=step.input_hash,
+        tool=step.tool_id,
+        policy_version="x",
+        approver=owner,
+        reason="trust me",
+        approved_at=timezone.now(),
+        expires_at=timezone.now() + timedelta(hours=1),
+    )
+
+    assert verify() == [
+        f"step {step.pk}: no event: approval {forged.pk} is recorded by no event: it was added "
+        "or edited behind the application's back"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("column", "value"),
+    [
+        ("response_evidence", json.dumps({"external_id": "forged"})),
+        ("request_evidence", json.dumps({"tool": "test.pure", "input": {"amount": 1}})),
+        ("error_class", "transient"),
+        ("error_message", "it never happened"),
+    ],
+)
+def test_editing_a_closed_attempts_evidence_or_error_is_caught(
+    decided: dict[str, Any], column: str, value: str
+) -> None:
+    attempt, step = decided["attempt"], decided["step"]
+    sql(f"UPDATE {ATTEMPTS} SET {column} = %s WHERE id = %s", [value, attempt.pk])
+
+    assert verify() == [
+        f"attempt {attempt.pk} of step {step.pk} (in checkpoint 1): is not what was signed: "
+        "its evidence, error, cost, worker or fence was edited"
+    ]
+
+
+def test_deleting_an_attempt_is_caught(decided: dict[str, Any]) -> None:
+    attempt, step = decided["attempt"], decided["step"]
+    sql(f"DELETE FROM {ATTEMPTS} WHERE id = %s", [attempt.pk])
+
+    findings = verify()
+
+    claimed = Event.objects.get(step=step, to_state=State.RUNNING)
+    assert findings == [
+        f"step {step.pk}: event {claimed.pk} (seq {claimed.seq}): attempt 1 it opened was deleted",
+        f"attempt {attempt.pk} of step {step.pk} (in checkpoint 1): was deleted",
+    ]
+
+
+def test_an_attempt_added_by_hand_is_caught(decided: dict[str, Any]) -> None:
+    step = decided["step"]
+    Attempt.objects.create(step=step, number=2, fence=9, worker="w9", phase="errored")
+
+    assert verify() == [
+        f"step {step.pk}: no event: attempt 2 was opened by no claim: it was added behind the "
+        "application's back"
+    ]
+
+
+@pytest.mark.parametrize(("column", "value"), [("actor", "user:alice"), ("reason", "approved")])
+def test_editing_a_run_events_actor_or_reason_is_caught(
+    decided: dict[str, Any], column: str, value: str
+) -> None:
+    run = decided["run"]
+    extended = RunEvent.objects.get(run=run, action=RunAction.BUDGET_EXTENDED)
+    sql(f"UPDATE {RUN_EVENTS} SET {column} = %s WHERE id = %s", [value, extended.pk])
+
+    assert verify() == [
+        f"run {run.pk}: run event {extended.pk} (budget_extended): its content does not match "
+        "its hash: its actor, reason or data was edited"
+    ]
+
+
+@pytest.mark.parametrize("which", ["first", "last"])
+def test_deleting_a_run_event_is_caught(decided: dict[str, Any], which: str) -> None:
+    run = decided["run"]
+    events = list(RunEvent.objects.filter(run=run).order_by("pk"))
+    gone = events[0] if which == "first" else events[-1]
+    sql(f"DELETE FROM {RUN_EVENTS} WHERE id = %s", [gone.pk])
+
+    [finding] = verify()
+
+    assert finding.startswith(f"run {run.pk}: ")
+    if which == "first":
+        assert "does not link to the run event before it" in finding
+    else:
+        assert "its newest run events are not what was sealed" in finding
+
+
+@pytest.mark.parametrize(
+    ("column", "value"),
+    [("max_calls", 1000), ("max_cost", "99.0000"), ("deadline", "2099-01-01 00:00:00+00:00")],
+)
+def test_editing_a_runs_budget_is_caught(decided: dict[str, Any], column: str, value: Any) -> None:
+    run = decided["run"]
+    sql(f"UPDATE {RUNS} SET {column} = %s WHERE id = %s", [value, run.pk.hex])
+
+    assert verify() == [
+        f"run {run.pk}: its budget (max_calls, max_cost, deadline) or its newest run events are "
+        "not what was sealed: the budget was edited or run events were cut"
+    ]
+
+
+# --- anchors outside the database ------------------------------------------------------------
+
+
+@pytest.fixture
+def exported(settings: Any, tmp_path: Any) -> Any:
+    settings.EXECUTOR_CHECKPOINT_EXPORT = str(tmp_path / "checkpoints.log")
+    return tmp_path / "checkpoints.log"
+
+
+def test_each_checkpoint_is_exported_to_the_file_and_the_log(
+    agent: Agent, run: Run, exported: Any, caplog: Any
+) -> None:
+    with caplog.at_level("INFO", logger="executor.ledger"):
+        completed_steps(agent, run)
+        second = ledger.checkpoint_take()
+
+    assert second is not None
+    kept = ledger.read_exported(exported)
+    assert kept == list(Checkpoint.objects.order_by("seq").values_list("seq", "hash"))
+    assert len(kept) == 2
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("checkpoint")]
+    assert logged == exported.read_text().splitlines()
+
+
+def test_all_checkpoints_deleted_and_a_tail_cut_is_caught_against_the_export(
+    agent: Agent, run: Run, exported: Any
+) -> None:
+    steps = completed_steps(agent, run)
+    cut = steps[1]
+    cut_tail(cut)
+    sql(f"DELETE FROM {CHECKPOINTS}", [])
+
+    call_command("verify_ledger", stdout=StringIO())  # without the export, nothing shows
+    out = StringIO()
+    with pytest.raises(CommandError, match="the ledger is broken"):
+        call_command("verify_ledger", "--against", str(exported), stdout=out)
+
+    assert out.getvalue().splitlines()[:-1] == [
+        "checkpoint 1: is kept outside the database but is missing from it: checkpoints were "
+        "deleted"
+    ]
+
+
+def test_checkpoints_rewritten_with_the_key_are_caught_against_the_export(
+    agent: Agent, run: Run, exported: Any
+) -> None:
+    completed_steps(agent, run)
+    kept = exported.read_text()
+    sql(f"DELETE FROM {CHECKPOINTS}", [])
+    ledger.checkpoint_take(now=timezone.now() + timedelta(seconds=1))  # a new checkpoint 1
+    exported.write_text(kept)
+
+    out = StringIO()
+    with pytest.raises(CommandError):
+        call_command("verify_ledger", "--against", str(exported), stdout=out)
+
+    [finding] = out.getvalue().splitlines()[:-1]
+    assert finding.startswith("checkpoint 1: is not the one kept outside the database (hash ")
+    assert finding.endswith("): it was rewritten")
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("", "holds no exported checkpoint head"),
+        ('checkpoint signed {"seq": "x"}\n', ":1: not an exported checkpoint head"),
+    ],
+)
+def test_against_a_file_that_holds_no_heads_is_refused(
+    tmp_path: Any, text: str, error: str
+) -> None:
+    path = tmp_path / "heads.log"
+    path.write_text(text)
+
+    with pytest.raises(CommandError, match=error):
+        call_command("verify_ledger", "--against", str(path), stdout=StringIO())
+    with pytest.raises(CommandError, match="No such file"):
+        call_command("verify_ledger", "--against", str(tmp_path / "none"), stdout=StringIO())
+
+
+def test_since_verifies_what_changed_after_that_checkpoint(agent: Agent, run: Run) -> None:
+    old = completed_steps(agent, run)  # checkpoint 1
+    later, _ = services.step_post(agent=agent, run=run, key="later", tool_name="echo", input={})
+    assert engine.process(later.pk, worker="w1") == State.COMPLETED
+    Step.objects.filter(pk__in=[s.pk for s in old]).update(
+        updated_at=timezone.now() - timedelta(hours=1)
+    )
+    Checkpoint.objects.update(taken_at=timezone.now() - timedelta(minutes=30))
+    assert ledger.checkpoint_take() is not None  # checkpoint 2 lists `later`
+    sql(f"UPDATE {STEPS} SET external_id = %s WHERE id = %s", ["forged", later.pk.hex])
+
+    out = StringIO()
+    with pytest.raises(CommandError):
+        call_command("verify_ledger", "--since", "2", stdout=out)
+
+    lines = out.getvalue().splitlines()
+    assert lines[-1] == "1 steps, 5 events verified, 1 broken"
+    assert lines[0].startswith(f"step {later.pk}: event ")
+    with pytest.raises(CommandError, match="--since: there is no checkpoint 7"):
+        call_command("verify_ledger", "--since", "7", stdout=StringIO())
+
+
+def test_against_reads_the_heads_from_a_json_log(
+    agent: Agent, run: Run, exported: Any, tmp_path: Any
+) -> None:
+    completed_steps(agent, run)
+    log = tmp_path / "worker.jsonl"
+    log.write_text(
+        '{"level": "INFO", "message": "sweep: nothing"}\n'
+        + "".join(
+            json.dumps({"level": "INFO", "message": line}) + "\n"
+            for line in exported.read_text().splitlines()
+        )
+    )
+    sql(f"DELETE FROM {CHECKPOINTS}", [])
+
+    out = StringIO()
+    with pytest.raises(CommandError):
+        call_command("verify_ledger", "--against", str(log), stdout=out)
+
+    assert out.getvalue().splitlines()[0].startswith("checkpoint 1: is kept outside")

@@ -1,4 +1,5 @@
-"""`manage.py verify_ledger [--step UUID] [--checkpoint]`: the ledger's tamper evidence."""
+"""`manage.py verify_ledger [--step UUID] [--since N] [--against FILE] [--checkpoint]`: the
+ledger's tamper evidence (DESIGN.md §15)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from executor.models import Step
 
 class Command(BaseCommand):
     help = (
-        "Verifies every step's event hash chain against its step row, the runs' numbering "
-        "and the signed checkpoints (DESIGN.md §15); names each break and exits non-zero "
-        "when anything is broken. --checkpoint then signs a new checkpoint."
+        "Verifies every step's event hash chain against its step row, approvals and attempts, "
+        "every run's events and budget, the runs' numbering and the signed checkpoints "
+        "(DESIGN.md §15); names each break and exits non-zero when anything is broken. "
+        "--checkpoint then signs a new checkpoint."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -25,6 +27,19 @@ class Command(BaseCommand):
             type=int,
             default=ledger.DEFAULT_CHUNK_SIZE,
             help=f"steps read per round trip (default {ledger.DEFAULT_CHUNK_SIZE})",
+        )
+        parser.add_argument(
+            "--since",
+            type=int,
+            metavar="N",
+            help="verify incrementally: what changed since checkpoint N (the newest one a full "
+            "verification passed), and the checkpoints from N on",
+        )
+        parser.add_argument(
+            "--against",
+            metavar="FILE",
+            help="checkpoint heads kept outside the database (EXECUTOR_CHECKPOINT_EXPORT's file, "
+            "or logs holding the 'checkpoint signed' lines): each must still be in the database",
         )
         parser.add_argument(
             "--checkpoint",
@@ -44,7 +59,22 @@ class Command(BaseCommand):
                 raise CommandError(f"no step {step_id}")
             report = ledger.verify_chain(step_ids=[step_id], chunk_size=options["chunk_size"])
         else:
-            report = ledger.verify_ledger(chunk_size=options["chunk_size"])
+            against: list[tuple[int, str]] = []
+            if options["against"]:
+                try:
+                    against = ledger.read_exported(options["against"])
+                except (OSError, ValueError) as error:
+                    raise CommandError(f"--against: {error}") from None
+                if not against:
+                    raise CommandError(
+                        f"--against: {options['against']} holds no exported checkpoint head"
+                    )
+            try:
+                report = ledger.verify_ledger(
+                    chunk_size=options["chunk_size"], since=options["since"], against=against
+                )
+            except ledger.NoSuchCheckpoint as error:
+                raise CommandError(f"--since: {error}") from None
         for finding in report.findings:
             self.stdout.write(self.style.ERROR(str(finding)))
         summary = report.summary()
