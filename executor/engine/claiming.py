@@ -201,10 +201,14 @@ def _as_pks(ids: list[Any]) -> list[Any]:
     return [field.to_python(value) for value in ids]
 
 
-def _within_limits(rows: list[Step], *, now: datetime) -> tuple[list[Step], set[str]]:
+def _within_limits(
+    rows: list[Step], *, now: datetime, limited: int | None = None
+) -> tuple[list[Step], set[str]]:
     """`rows` less those of tools without room now (API.md "Slow tools"), counted under the
     lock of each limited tool's row so that two claims never share one room; and the tools
-    whose steps were left (held back, still `pending`)."""
+    whose steps were left (held back, still `pending`). Of the steps of limited tools, at
+    most `limited` are kept (what the claiming worker can send at once): a step claimed to
+    wait in a worker would take a room, or a rate's token, that another could use now."""
     limits = {
         step.tool_id: limit
         for step in rows
@@ -212,6 +216,15 @@ def _within_limits(rows: list[Step], *, now: datetime) -> tuple[list[Step], set[
     }
     if not limits:
         return rows, set()
+    if limited is not None:
+        capped: list[Step] = []
+        for step in rows:
+            if step.tool_id in limits:
+                if limited <= 0:
+                    continue  # left pending: a claim with room takes it
+                limited -= 1
+            capped.append(step)
+        rows = capped
     wanted: dict[str, int] = {}
     for step in rows:
         if step.tool_id in limits:
@@ -247,6 +260,7 @@ def claim(
     writes: int = 0,
     now: datetime | None = None,
     skip_tools: Sequence[str] = (),
+    limited: int | None = None,
 ) -> Batch:
     """Takes the leases on a batch of due pending steps and decides their authorization, in
     one commit (DESIGN.md §5 points 2 to 4, §14).
@@ -256,7 +270,8 @@ def claim(
     read steps that may go on are also past their `submitting` point (usage counted) when
     this returns; write steps are `claimed`. Steps that may not go on end blocked, cancelled,
     or pending in a paused run, each with its closed attempt, exactly as one step claimed
-    alone would. Steps of `skip_tools` (found at their limit a moment ago) are not looked at.
+    alone would. Steps of `skip_tools` (found at their limit a moment ago) are not looked at;
+    of the steps of tools with limits, at most `limited` are taken (None: no such cap).
     """
     now = now or timezone.now()
     batch = Batch()
@@ -271,7 +286,7 @@ def claim(
             for step in _due_steps(light=light, writes=writes, now=now, full=skip_tools)
             if step.pk not in named
         ]
-        rows, batch.full = _within_limits(rows, now=now)
+        rows, batch.full = _within_limits(rows, now=now, limited=limited)
         taken: list[Step] = []
         for step in rows:
             if step.run.status == RunStatus.CANCELLED:

@@ -132,7 +132,7 @@ def record_fenced_out(attempt: Attempt, write: str, **evidence: Any) -> str:
     """Notes on the attempt that its worker's write was refused by the fence."""
     fields: dict[str, Any] = {"fenced_out_at": timezone.now(), "fenced_out_write": write}
     if evidence:
-        fields["response_evidence"] = evidence
+        fields["fenced_out_evidence"] = evidence
     Attempt.objects.filter(pk=attempt.pk).update(**fields)
     logger.warning("attempt %s was fenced out at %s", attempt.pk, write)
     return Outcome.FENCED_OUT

@@ -54,6 +54,14 @@ class InFlight:
         held = len(self._running) + len(self._waiting)
         return max(0, min(wanted, self.limit + self.ahead - held))
 
+    def free(self) -> int | None:
+        """How many calls could start now (None: no limit, every call is made as claimed).
+        Steps of a tool with limits are claimed no further ahead than this: one waiting
+        here would hold a room of the tool's that another worker could be sending in."""
+        if self.limit == 0:
+            return None
+        return max(0, self.limit - len(self._running) - len(self._waiting))
+
     def add(self, claims: Sequence[Claim]) -> None:
         """Takes claimed steps whose call is not made in the claiming thread (writes, reads)."""
         if self.limit == 0:

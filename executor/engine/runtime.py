@@ -87,7 +87,12 @@ def _drain(*, worker: str, limit: int | None, hint: Any = None) -> Drained:
                 writes = flight.room(room)
                 skipped = held.skipped()
                 batch = claim(
-                    worker=worker, step_ids=named, light=room, writes=writes, skip_tools=skipped
+                    worker=worker,
+                    step_ids=named,
+                    light=room,
+                    writes=writes,
+                    skip_tools=skipped,
+                    limited=flight.free(),
                 )
                 held.found_full(batch.full)
                 held_back = bool(batch.full or skipped)

@@ -213,7 +213,8 @@ def test_stale_worker_response_writes_nothing_to_the_step(agent: Agent, run: Run
     refused = Attempt.objects.get(pk=claim_a.attempt.pk)
     assert refused.fenced_out_at is not None
     assert refused.fenced_out_write == "responded"
-    assert refused.response_evidence["external_id"] == late_answer.external_id
+    assert refused.fenced_out_evidence["external_id"] == late_answer.external_id
+    assert refused.response_evidence is None
     assert Attempt.objects.get(pk=claim_b.attempt.pk).fenced_out_at is None
 
     assert engine.execute_claimed(claim_b) == State.COMPLETED

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from io import StringIO
 from pathlib import Path
 from typing import Any, ClassVar
+from unittest.mock import patch
 
 import pytest
 from django.core.management import call_command
@@ -27,6 +28,7 @@ from django.utils import timezone
 from guardian.shortcuts import assign_perm
 
 import executor.engine.commits as commits
+import executor.engine.runtime as runtime
 from executor import dispatch, engine, services
 from executor.models import (
     Agent,
@@ -370,6 +372,43 @@ def test_a_tool_at_its_limit_leaves_its_steps_pending(
     assert [(s.state, s.attempt_count) for s in left] == [(State.PENDING, 0)] * 2
     # While the three are leased, another claim takes none of the tool's steps.
     assert engine.claim(worker="B", writes=10).claims == []
+
+
+def test_a_worker_claims_a_limited_tools_steps_only_as_far_as_it_can_send_them(
+    agent: Agent, run: Run, limited: None
+) -> None:
+    # Worker A can send 2 calls now (its room ahead is for tools without limits): it takes
+    # 2 of the tool's 3 rooms, and B, with room, takes the third at once.
+    post_many(agent, run, LimitedWrite.name, 5)
+
+    first = engine.claim(worker="A", writes=10, limited=2)
+    second = engine.claim(worker="B", writes=10, limited=8)
+
+    assert (len(first.claims), len(second.claims)) == (2, 1)
+    assert first.full == set()  # A left the rest for room it does not have, not the tool's
+    assert second.full == {LimitedWrite.name}
+
+
+def test_a_drain_with_few_calls_of_room_claims_no_limited_steps_to_wait_in_it(
+    agent: Agent, run: Run, settings: Any, limited: None
+) -> None:
+    settings.EXECUTOR_MAX_IN_FLIGHT = 1
+    seen: list[int] = []
+    original = engine.claim
+
+    def counting(**kwargs: Any) -> Any:
+        batch = original(**kwargs)
+        seen.append(sum(c.step.tool_id == LimitedWrite.name for c in batch.claims))
+        return batch
+
+    with delayed(LimitedWrite, 0.05), patch.object(runtime, "claim", counting):
+        steps = post_many(agent, run, LimitedWrite.name, 4)
+        assert engine.drain(worker="w1") == 4
+
+    assert {reload(s).state for s in steps} == {State.COMPLETED}
+    # One call in flight at a time, and never more claimed than that: nothing waited in the
+    # drain holding one of the tool's three rooms.
+    assert max(seen) == 1
 
 
 def test_max_in_flight_holds_while_a_drain_has_room_for_more(

@@ -67,17 +67,23 @@ def slow_tools(
     service: Running, agent: Agent, settings: Any, tmp_path: Path
 ) -> Iterator[dict[str, str]]:
     """The two tools loaded and granted; the env a worker needs to reach the service."""
-    allowed = f"127.0.0.1:{service.port}"
-    settings.EXECUTOR_HTTP_ALLOWED_HOSTS = [allowed]
-    path = tmp_path / "slow.toml"
-    path.write_text(TOOLS.replace("@URL@", service.url))
-    call_command("load_tools", str(path), stdout=StringIO())
-    for row in ToolRow.objects.filter(name__in=["slow.keyed", "slow.plain"]):
-        assign_perm("executor.use_tool", agent.user, row)
-    yield {"EXECUTOR_HTTP_ALLOWED_HOSTS": allowed}
+    yield load_slow_tools(service.port, agent, settings, tmp_path)
     for spec in HttpToolSpec.objects.all():
         unregister(spec.name)
     http_tools._mine.clear()
+
+
+def load_slow_tools(port: int, agent: Agent, settings: Any, folder: Path) -> dict[str, str]:
+    """Loads and grants the two tools calling 127.0.0.1:`port` (the service, or a proxy in
+    front of it); returns the env a worker needs to reach it."""
+    allowed = f"127.0.0.1:{port}"
+    settings.EXECUTOR_HTTP_ALLOWED_HOSTS = [allowed]
+    path = folder / "slow.toml"
+    path.write_text(TOOLS.replace("@URL@", f"http://{allowed}"))
+    call_command("load_tools", str(path), stdout=StringIO())
+    for row in ToolRow.objects.filter(name__in=["slow.keyed", "slow.plain"]):
+        assign_perm("executor.use_tool", agent.user, row)
+    return {"EXECUTOR_HTTP_ALLOWED_HOSTS": allowed}
 
 
 def post(agent: Agent, run: Run, tool: str, count: int) -> list[Step]:

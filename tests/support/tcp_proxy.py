@@ -1,7 +1,9 @@
 """A TCP proxy a test can cut and restore: a network partition between one process and a
 server (PostgreSQL), with the connections left open. Cut, it forwards nothing and accepts
 nothing onward (what was sent waits in the kernel's buffers, as on a link that went dark);
-restored, everything flows again where it stopped."""
+restored, everything flows again where it stopped. `cut_open` darkens only the connections
+open now (one process's calls in flight), and new ones flow: another process reaching the
+same server through it is not cut off."""
 
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ class TcpProxy:
         self.connections = 0
         self._threads: list[threading.Thread] = []
         self._sockets: list[socket.socket] = []
+        # Each connection's own switch, and whether each of its two pumps still runs.
+        self._links: list[tuple[threading.Event, list[bool]]] = []
 
     def __enter__(self) -> Self:
         self._spawn(self._accept)
@@ -46,7 +50,18 @@ class TcpProxy:
     def cut(self) -> None:
         self.flowing.clear()
 
+    def cut_open(self) -> int:
+        """Darkens the connections open now (both directions still pumping); returns how
+        many."""
+        darkened = 0
+        for link, pumps in self._links:
+            link.clear()
+            darkened += pumps == [True, True]
+        return darkened
+
     def restore(self) -> None:
+        for link, _ in self._links:
+            link.set()
         self.flowing.set()
 
     def _spawn(self, target: object, *args: object) -> None:
@@ -74,14 +89,31 @@ class TcpProxy:
             return
         self.connections += 1
         self._sockets += [client, server]
+        link = threading.Event()
+        link.set()
+        pumps = [True, True]
+        self._links.append((link, pumps))
         for sock in (client, server):
             sock.settimeout(0.1)
-        self._spawn(self._pump, client, server)
-        self._spawn(self._pump, server, client)
+        self._spawn(self._pump, client, server, link, pumps, 0)
+        self._spawn(self._pump, server, client, link, pumps, 1)
 
-    def _pump(self, source: socket.socket, target: socket.socket) -> None:
+    def _pump(
+        self,
+        source: socket.socket,
+        target: socket.socket,
+        link: threading.Event,
+        pumps: list[bool],
+        which: int,
+    ) -> None:
+        try:
+            self._forward(source, target, link)
+        finally:
+            pumps[which] = False
+
+    def _forward(self, source: socket.socket, target: socket.socket, link: threading.Event) -> None:
         while not self.stopping.is_set():
-            if not self.flowing.wait(timeout=0.1):
+            if not self.flowing.wait(timeout=0.1) or not link.wait(timeout=0.1):
                 continue  # cut: nothing is read, so nothing moves
             try:
                 data = source.recv(65536)
