@@ -19,6 +19,42 @@ from tests.support.upstreams import GitRepo, Upstream, git_repo, upstream
 os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # live_server + Playwright
 
 
+# Suites of real processes, browsers and servers: `make test` runs them once, on PostgreSQL,
+# when PostgreSQL answers (.ci/test-suites), and on SQLite only where there is none. What
+# tests the embedded setup itself (SQLite and the embedded broker) is `embedded` and runs on
+# SQLite always.
+HEAVY = (
+    "tests/recovery/",
+    "tests/browser/",
+    "tests/executor/test_event_loop_serving.py",
+    "tests/executor/test_web_server.py",
+    "tests/executor/test_gateway.py",
+    "tests/executor/test_drill.py",
+)
+EMBEDDED = (
+    "tests/recovery/test_up.py",
+    "tests/recovery/test_messages.py",
+    "tests/recovery/test_crash_points.py",
+    "tests/executor/test_event_loop_serving.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks the heavy and embedded suites, and puts the browser tests last. Playwright's
+    sync API keeps an asyncio loop running in the main thread from its first test to the
+    session's end, and any later async_to_sync there (Django's test client calling an async
+    view, such as `step_get`) fails with "You cannot use AsyncToSync in the same thread as an
+    async event loop"."""
+    root = config.rootpath
+    for item in items:
+        where = item.path.relative_to(root).as_posix()
+        if where.startswith(HEAVY):
+            item.add_marker(pytest.mark.heavy)
+        if where.startswith(EMBEDDED):
+            item.add_marker(pytest.mark.embedded)
+    items.sort(key=lambda item: item.get_closest_marker("browser") is not None)
+
+
 @pytest.fixture
 def workspace(db: Any) -> Workspace:
     return services.workspace_get_or_create(slug="acme", name="Acme")
