@@ -365,6 +365,13 @@ class SignInCallback(OIDCAuthenticationCallbackView):
 class SignInPage(LoginView):
     """Django's sign-in page, offering the company's sign-in when it is on."""
 
+    def get_form(self, form_class: Any = None) -> Any:
+        form = super().get_form(form_class)
+        if enabled():
+            # The company's button comes first; the cursor is not put in the password form.
+            form.fields["username"].widget.attrs.pop("autofocus", None)
+        return form
+
     def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
         context = super().get_context_data(**kwargs)
         if enabled():
