@@ -247,7 +247,13 @@ OIDC_ISSUER = os.environ.get("OIDC_ISSUER", "").strip().rstrip("/")
 OIDC_RP_CLIENT_ID = os.environ.get("OIDC_RP_CLIENT_ID", "").strip()
 OIDC_RP_CLIENT_SECRET = os.environ.get("OIDC_RP_CLIENT_SECRET", "")
 if not OIDC_RP_CLIENT_SECRET and os.environ.get("OIDC_RP_CLIENT_SECRET_FILE"):
-    OIDC_RP_CLIENT_SECRET = Path(os.environ["OIDC_RP_CLIENT_SECRET_FILE"]).read_text().strip()
+    try:
+        OIDC_RP_CLIENT_SECRET = Path(os.environ["OIDC_RP_CLIENT_SECRET_FILE"]).read_text().strip()
+    except OSError as error:
+        raise ImproperlyConfigured(
+            f"OIDC_RP_CLIENT_SECRET_FILE={os.environ['OIDC_RP_CLIENT_SECRET_FILE']} cannot be "
+            f"read: {error}"
+        ) from error
 OIDC_PROVIDER_NAME = os.environ.get("OIDC_PROVIDER_NAME", "your company account")
 OIDC_OP_AUTHORIZATION_ENDPOINT = os.environ.get("OIDC_OP_AUTHORIZATION_ENDPOINT", "")
 OIDC_OP_TOKEN_ENDPOINT = os.environ.get("OIDC_OP_TOKEN_ENDPOINT", "")

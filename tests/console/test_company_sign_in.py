@@ -9,8 +9,12 @@ the provider's own sign-in form; the console's backend talks to the provider ove
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -22,14 +26,23 @@ from django.utils.html import escape
 from guardian.shortcuts import get_objects_for_user
 
 from console import signin
-from executor import policy
-from executor.models import SignInIdentity, SignInRole, Workspace, WorkspaceRole
+from executor import engine, policy, services
+from executor.models import (
+    Agent,
+    Run,
+    SignInIdentity,
+    SignInRole,
+    Step,
+    Workspace,
+    WorkspaceRole,
+)
 from executor.services.signin import (
     Person,
     _identity_create,
     sign_in_role_save,
     sign_in_user,
 )
+from executor.states import State
 from tests.support.oidc import (
     CALLBACK,
     CLIENT_ID,
@@ -470,3 +483,120 @@ def test_two_first_sign_ins_at_once_end_signed_in_as_one_user(
     assert users[0] == users[1]
     assert User.objects.filter(username__startswith="ivan").count() == 1
     assert holds(users[0], "approve_steps", workspace)
+
+
+# --- a demotion at the provider reaches work already approved -------------------------------
+
+
+def test_an_approval_by_an_approver_demoted_at_the_provider_authorizes_nothing(
+    company: Provider, workspace: Workspace, agent: Agent, run: Run
+) -> None:
+    role(workspace, APPROVERS, WorkspaceRole.APPROVER)
+    company.person("judy", "judy-at-example", [APPROVERS])
+    client = Client()
+    assert sign_in(client, "judy", "judy-at-example").status_code == 302
+    judy = signed_in_user(client)
+    assert judy is not None
+    services.tool_policy_set(workspace=workspace, tool="echo", approval="always")
+    step, _ = services.step_post(
+        agent=agent, run=run, key="echo-judy", tool_name="echo", input={"message": "hi"}
+    )
+    assert step.state == State.PLANNED
+    services.step_approve(step=step, user=judy, version=step.version, reason="Fine to send.")
+
+    # Judy leaves the approvers' group; her next sign-in says so, before any worker claims.
+    company.person("judy", "judy-at-example", ["everyone"])
+    assert sign_in(Client(), "judy", "judy-at-example").status_code == 302
+
+    assert engine.process(step.pk) == State.BLOCKED
+    blocked = Step.objects.get(pk=step.pk)
+    assert blocked.failure_message == "the approver judy no longer holds approve_steps"
+    assert not blocked.attempts.filter(submitted_at__isnull=False).exists()
+
+
+# --- the admin ------------------------------------------------------------------------------
+
+
+def test_the_admin_maps_a_group_to_a_role_and_shows_who_holds_it(
+    client: Client, company: Provider, owner: User, workspace: Workspace
+) -> None:
+    client.force_login(owner)
+    added = client.post(
+        "/admin/executor/signinrole/add/",
+        {"workspace": workspace.pk, "idp_group": "/stepward/approvers", "role": "approver"},
+    )
+    assert added.status_code == 302, added.content.decode()[:2000]
+    mapping = SignInRole.objects.get(idp_group="/stepward/approvers")
+    assert mapping.group.name == "sign-in acme: /stepward/approvers"
+
+    company.person("kim", "kim-at-example", ["/stepward/approvers"])
+    assert sign_in(Client(), "kim", "kim-at-example").status_code == 302
+    kim = User.objects.get(username="kim")
+    assert holds(kim, "approve_steps", workspace)
+
+    listing = client.get("/admin/executor/signinrole/")
+    assert listing.status_code == 200
+    assert "/stepward/approvers" in listing.content.decode()
+    page = client.get(f"/admin/executor/signinrole/{mapping.pk}/change/")
+    assert "approve_steps" in page.content.decode()
+
+    # The same group twice in one workspace is refused by the form, naming the clash.
+    again = client.post(
+        "/admin/executor/signinrole/add/",
+        {"workspace": workspace.pk, "idp_group": "/stepward/approvers", "role": "reviewer"},
+    )
+    assert again.status_code == 200
+    assert "already exists" in again.content.decode()
+
+    changed = client.post(
+        f"/admin/executor/signinrole/{mapping.pk}/change/",
+        {"workspace": workspace.pk, "idp_group": "/stepward/approvers", "role": "reviewer"},
+    )
+    assert changed.status_code == 302
+    assert not holds(kim, "approve_steps", workspace)
+    assert holds(kim, "review_steps", workspace)
+
+    identities = client.get("/admin/executor/signinidentity/")
+    assert identities.status_code == 200
+    assert "kim" in identities.content.decode()
+
+
+# --- settings -------------------------------------------------------------------------------
+
+
+def check(tmp_path: Path, **given: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OIDC_")}
+    env.update(STEPWARD_VAR_DIR=str(tmp_path), PYTHONWARNINGS="ignore", **given)
+    return subprocess.run(
+        [sys.executable, "manage.py", "check"],
+        cwd=Path(__file__).resolve().parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.mark.django_db(False)
+def test_a_client_without_an_issuer_is_refused_at_startup(tmp_path: Path) -> None:
+    out = check(tmp_path, OIDC_RP_CLIENT_ID="stepward")
+    assert out.returncode != 0
+    assert "OIDC_ISSUER is not" in out.stderr
+    secret = tmp_path / "client-secret"
+    secret.write_text("from-a-mounted-file\n")
+    out = check(
+        tmp_path,
+        OIDC_RP_CLIENT_ID="stepward",
+        OIDC_ISSUER="https://sso.example.com/realms/acme",
+        OIDC_RP_CLIENT_SECRET_FILE=str(secret),
+    )
+    assert out.returncode == 0, out.stderr
+    out = check(
+        tmp_path,
+        OIDC_RP_CLIENT_ID="stepward",
+        OIDC_ISSUER="https://sso.example.com/realms/acme",
+        OIDC_RP_CLIENT_SECRET_FILE=str(tmp_path / "missing"),
+    )
+    assert out.returncode != 0
+    assert "OIDC_RP_CLIENT_SECRET_FILE" in out.stderr
