@@ -336,10 +336,11 @@ class SignInCallback(OIDCAuthenticationCallbackView):
             # The provider's error and its description are never shown: without a state this
             # browser started, anyone could have written them.
             state = request.GET.get("state")
-            started = state is not None and state in request.session.get("oidc_states", {})
+            if state is None or state not in request.session.get("oidc_states", {}):
+                # Nor does a link anyone can send sign the person out.
+                return failure_page(request, SignInFailed(STALE))
             super().get(request)  # forgets the state and signs out, as the library does
-            message = NOT_SIGNED_IN.format(company=company()) if started else STALE
-            return failure_page(request, SignInFailed(message))
+            return failure_page(request, SignInFailed(NOT_SIGNED_IN.format(company=company())))
         if "oidc_states" not in request.session or "code" not in request.GET:
             return failure_page(request, SignInFailed(STALE, status=400))
         try:

@@ -325,8 +325,9 @@ def test_a_provider_error_with_this_browsers_state_shows_only_a_generic_message(
 
 
 def test_a_provider_error_without_a_state_of_this_browser_is_not_reflected(
-    client: Client, company: Provider
+    client: Client, company: Provider, reviewer: User
 ) -> None:
+    client.force_login(reviewer)
     started_state(client)
     for query in (
         {"error": HOSTILE, "error_description": HOSTILE, "state": "forged"},
@@ -338,6 +339,8 @@ def test_a_provider_error_without_a_state_of_this_browser_is_not_reflected(
         assert escape(signin.STALE) in text
         assert "owned" not in text
         assert "suspended" not in text
+    # A link anyone can send does not sign the person out either.
+    assert signed_in_user(client) == reviewer
 
 
 def test_a_forged_or_replayed_callback_is_refused(client: Client, company: Provider) -> None:
