@@ -212,6 +212,8 @@ AUTHENTICATION_BACKENDS = [
     "axes.backends.AxesStandaloneBackend",
     "django.contrib.auth.backends.ModelBackend",
     "guardian.backends.ObjectPermissionBackend",
+    # Inert until OIDC_RP_CLIENT_ID is set (console/signin.py).
+    "console.signin.CompanySignInBackend",
 ]
 # guardian's anonymous user is not used: every console page requires a login.
 ANONYMOUS_USER_NAME = None
@@ -237,6 +239,39 @@ WHITENOISE_AUTOREFRESH = DEBUG
 LOGIN_URL = "/accounts/login/"
 LOGIN_REDIRECT_URL = "/"
 LOGOUT_REDIRECT_URL = "login"
+
+# --- company sign-in (OpenID Connect, docs/sign-in.md) ------------------------------------
+# On when OIDC_RP_CLIENT_ID is set: the sign-in page offers "Sign in with OIDC_PROVIDER_NAME".
+# Endpoints come from the issuer's discovery document unless set one by one.
+OIDC_ISSUER = os.environ.get("OIDC_ISSUER", "").strip().rstrip("/")
+OIDC_RP_CLIENT_ID = os.environ.get("OIDC_RP_CLIENT_ID", "").strip()
+OIDC_RP_CLIENT_SECRET = os.environ.get("OIDC_RP_CLIENT_SECRET", "")
+if not OIDC_RP_CLIENT_SECRET and os.environ.get("OIDC_RP_CLIENT_SECRET_FILE"):
+    try:
+        OIDC_RP_CLIENT_SECRET = Path(os.environ["OIDC_RP_CLIENT_SECRET_FILE"]).read_text().strip()
+    except OSError as error:
+        raise ImproperlyConfigured(
+            f"OIDC_RP_CLIENT_SECRET_FILE={os.environ['OIDC_RP_CLIENT_SECRET_FILE']} cannot be "
+            f"read: {error}"
+        ) from error
+OIDC_PROVIDER_NAME = os.environ.get("OIDC_PROVIDER_NAME", "your company account")
+OIDC_OP_AUTHORIZATION_ENDPOINT = os.environ.get("OIDC_OP_AUTHORIZATION_ENDPOINT", "")
+OIDC_OP_TOKEN_ENDPOINT = os.environ.get("OIDC_OP_TOKEN_ENDPOINT", "")
+OIDC_OP_USER_ENDPOINT = os.environ.get("OIDC_OP_USER_ENDPOINT", "")
+OIDC_OP_JWKS_ENDPOINT = os.environ.get("OIDC_OP_JWKS_ENDPOINT", "")
+OIDC_RP_SIGN_ALGO = os.environ.get("OIDC_RP_SIGN_ALGO", "RS256")
+OIDC_RP_SCOPES = os.environ.get("OIDC_RP_SCOPES", "openid email profile")
+# The claim (in the ID token or the userinfo answer) that lists the person's groups.
+OIDC_GROUPS_CLAIM = os.environ.get("OIDC_GROUPS_CLAIM", "groups")
+OIDC_USE_PKCE = env_bool("OIDC_USE_PKCE", True)
+OIDC_TIMEOUT = env_int("OIDC_TIMEOUT", 10)
+# A session begun at the provider lasts this long; the next sign-in re-syncs the roles.
+OIDC_SESSION_SECONDS = env_int("OIDC_SESSION_SECONDS", 8 * 3600)
+if OIDC_RP_CLIENT_ID and not OIDC_ISSUER:
+    raise ImproperlyConfigured(
+        "OIDC_RP_CLIENT_ID is set but OIDC_ISSUER is not: set it to the provider's issuer "
+        "(e.g. https://sso.example.com/realms/acme); docs/sign-in.md has examples."
+    )
 
 # --- sign-in throttling (django-axes), for the console's and the admin's sign-in -------------
 AXES_ENABLED = env_bool("AXES_ENABLED", True)

@@ -869,3 +869,94 @@ class RunEvent(models.Model):
             "at": self.created_at.isoformat(),
             "prev": self.prev_hash,
         }
+
+
+# --- company sign-in (docs/sign-in.md) ----------------------------------------------------
+
+
+class WorkspaceRole(models.TextChoices):
+    """What a group of the company's identity provider may do in a workspace."""
+
+    REVIEWER = "reviewer", "Reviewer"
+    APPROVER = "approver", "Approver"
+    ADMIN = "admin", "Admin"
+
+
+# Each role holds the one before it. Reviewers triage (probe and resolve unknown outcomes);
+# approvers also let planned steps and compensations run; admins also replay dead letters and
+# extend budgets, which spend again. None of them is Django's staff: the admin site stays
+# with the people given it there.
+ROLE_PERMISSIONS: dict[str, tuple[str, ...]] = {
+    WorkspaceRole.REVIEWER: ("review_steps", "resolve_unknown"),
+    WorkspaceRole.APPROVER: (
+        "review_steps",
+        "resolve_unknown",
+        "approve_steps",
+        "approve_compensation",
+    ),
+    WorkspaceRole.ADMIN: REVIEWER_PERMISSIONS,
+}
+
+
+class SignInRole(models.Model):
+    """A group the identity provider names in its group claim, mapped to a role in a workspace.
+
+    Its members hold the role through `group`, a Django group this row owns and keeps
+    (executor/services/signin.py): membership is re-synced from the claim at every sign-in,
+    and the authorization recheck reads group grants like any other.
+    """
+
+    workspace = models.ForeignKey(Workspace, on_delete=models.CASCADE, related_name="sign_in_roles")
+    idp_group = models.CharField(
+        "identity provider group",
+        max_length=255,
+        help_text="The group's name (or id, for Entra ID) exactly as the group claim carries it.",
+    )
+    role = models.CharField(max_length=16, choices=WorkspaceRole.choices)
+    group = models.OneToOneField(
+        "auth.Group", on_delete=models.PROTECT, related_name="sign_in_role", editable=False
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["workspace", "idp_group"]
+        verbose_name = "sign-in group role"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["workspace", "idp_group"], name="signinrole_one_role_per_group"
+            ),
+            models.CheckConstraint(
+                condition=Q(role__in=WorkspaceRole.values), name="signinrole_role_known"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.idp_group} → {self.role} in {self.workspace_id}"
+
+
+class SignInIdentity(models.Model):
+    """Who a user is at the identity provider: its issuer and the subject it never reuses.
+
+    A user signed in through the provider is found by this pair, never by a username or an
+    email address, which a provider may let people choose or may give to someone else later.
+    """
+
+    user = models.OneToOneField(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="sign_in_identity"
+    )
+    issuer = models.CharField(max_length=255)
+    subject = models.CharField(max_length=255)
+    # What the group claim said at the last sign-in, for the admin's eyes only.
+    idp_groups = models.JSONField(default=list, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_sign_in_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["issuer", "subject"]
+        verbose_name_plural = "sign-in identities"
+        constraints = [
+            models.UniqueConstraint(fields=["issuer", "subject"], name="signinidentity_one_user"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.subject} at {self.issuer}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.db.models.signals import post_migrate
+from django.db.models.signals import post_delete, post_migrate
 from django.dispatch import receiver
 
 
@@ -15,3 +15,11 @@ def sync_tools_after_migrate(sender: Any, **kwargs: Any) -> None:
     from executor.services import tools_sync
 
     tools_sync(using=kwargs.get("using", "default"))
+
+
+@receiver(post_delete, sender="executor.SignInRole")
+def delete_role_group(sender: Any, instance: Any, **kwargs: Any) -> None:
+    """A mapping removed in the admin takes its role from everyone who held it, at once."""
+    from django.contrib.auth.models import Group
+
+    Group.objects.filter(pk=instance.group_id).delete()

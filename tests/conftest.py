@@ -30,6 +30,8 @@ HEAVY = (
     "tests/executor/test_web_server.py",
     "tests/executor/test_gateway.py",
     "tests/executor/test_drill.py",
+    # A real OpenID Connect provider in a process of its own.
+    "tests/console/test_company_sign_in.py",
 )
 EMBEDDED = (
     "tests/recovery/test_up.py",
