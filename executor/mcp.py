@@ -342,8 +342,10 @@ def call_run(agent: Agent, run_id: Any) -> Run:
     if latest is not None and latest.status != RunStatus.CANCELLED:
         return latest
     # The first, or the next after a cancelled one: numbered, so that two calls making it
-    # at once make one (a run's key is unique per agent).
-    number = _mcp_runs(agent).count() + 1
+    # at once make one (a run's key is unique per agent); after the highest number, whatever
+    # runs were removed since.
+    keys = _mcp_runs(agent).values_list("key", flat=True)
+    number = max((_run_number(key) for key in keys), default=0) + 1
     run, _ = services.run_create(
         agent=agent,
         name=MCP_RUN_NAME if number == 1 else f"{MCP_RUN_NAME} ({number})",
@@ -351,6 +353,12 @@ def call_run(agent: Agent, run_id: Any) -> Run:
         mcp=True,
     )
     return run
+
+
+def _run_number(key: str) -> int:
+    """`stepward-mcp` → 1, `stepward-mcp-7` → 7."""
+    tail = key.removeprefix(MCP_RUN_KEY).removeprefix("-")
+    return int(tail) if tail else 1
 
 
 def _mcp_runs(agent: Agent) -> Any:

@@ -23,7 +23,7 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from executor import engine, services
+from executor import engine, mcp, services
 from executor.gateway.connections import Unreachable, gateway
 from executor.gateway.tools import target_for
 from executor.models import Agent, Attempt, McpUpstream, Run, RunStatus, Step
@@ -781,3 +781,32 @@ def test_each_call_tells_the_upstream_its_operation_step_and_fence(
     assert seen["meta"]["stepward/operation_id"] == str(done.operation_id)
     assert seen["meta"]["stepward/step_id"] == str(done.pk)
     assert seen["meta"]["stepward/fence"] == done.attempts.get().fence
+
+
+def test_an_upstreams_tools_are_granted_per_agent_like_any_other(
+    agent: Agent, run: Run, up: Upstream, repo: GitRepo, api: ApiClient, fresh_sessions: None
+) -> None:
+    """A new upstream tool is usable by no agent until granted; this one gets git_status only,
+    and the commit is neither listed to it over MCP nor callable, by MCP or by the API."""
+    report = services.tools_load(tables=[], upstreams=[git_upstream_table(up, repo)])
+    assert [listed.error for listed in report.listed] == [""]
+    services.agent_set_tools(agent=agent, tools=["echo", "git.git_status"])
+
+    listed = {tool["name"]: tool for tool in api.get("/api/v1/tools").json()}
+    assert listed["git.git_status"]["usable"] is True
+    assert listed["git.git_commit"]["usable"] is False
+    session = mcp.Session(agent)
+    names = {spec.name for spec in mcp.tools_list(session)}
+    assert "git_git_status" in names
+    assert "git_git_commit" not in names
+
+    arguments = {"repo_path": str(repo.path), "message": "not granted"}
+    refused = mcp.tools_call(session, "git_git_commit", {**arguments, "key": "c"})
+    assert refused.is_error
+    assert refused.structured["error"] == "unknown_tool"
+    posted = api.post(
+        f"/api/v1/runs/{run.pk}/steps", {"key": "c", "tool": "git.git_commit", "input": arguments}
+    )
+    assert posted.status_code == 403, posted.content
+    assert not Step.objects.filter(tool_id="git.git_commit").exists()
+    assert repo.commits_with("not granted") == 0

@@ -401,3 +401,22 @@ def test_an_agents_own_run_may_not_take_the_mcp_runs_key(api: Any, agent: Agent)
     made = mcp.mcp_run(agent)
     assert made is not None
     assert made.key == mcp.MCP_RUN_KEY
+
+
+def test_the_next_mcp_run_is_numbered_after_the_highest_whatever_was_removed(
+    session: mcp.Session,
+) -> None:
+    """Only "MCP calls (2)" is left, cancelled (the first was removed since): the next calls
+    go into a new run "MCP calls (3)", not back into the cancelled one."""
+    left, _ = services.run_create(
+        agent=session.agent, name="MCP calls (2)", key=f"{mcp.MCP_RUN_KEY}-2", mcp=True
+    )
+    services.run_cancel(run=left, actor="user:alice", reason="stop it")
+
+    answer = mcp.tools_call(session, "ticketdesk_create", {"title": "a", "key": "after"})
+
+    assert not answer.is_error, answer.structured
+    made = mcp.mcp_run(session.agent)
+    assert made is not None
+    assert (made.key, made.name) == (f"{mcp.MCP_RUN_KEY}-3", "MCP calls (3)")
+    assert answer.structured["run_id"] == str(made.pk)
