@@ -10,6 +10,7 @@ stops everything, naming it and its log. Ctrl-C stops everything.
 
 from __future__ import annotations
 
+import io
 import os
 import secrets
 import signal
@@ -171,6 +172,10 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        # Our own lines, in order with the children's that _relay writes, also when the
+        # output is a file or a pipe (a service manager's log), not only on a terminal.
+        if isinstance(sys.stdout, io.TextIOWrapper):
+            sys.stdout.reconfigure(line_buffering=True)
         host, port, desk_port = options["host"], options["port"], options["desk_port"]
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         with_desk = not options["no_desk"]
