@@ -72,10 +72,12 @@ def secret_key() -> str:
     if DEBUG:
         return DEVELOPMENT_SECRET_KEY
     raise ImproperlyConfigured(
-        "SECRET_KEY is not set (or is the public development key) and DEBUG is off. Set "
-        "SECRET_KEY, or SECRET_KEY_FILE to a file holding it, to a long random value "
-        "(python -c 'import secrets; print(secrets.token_urlsafe(50))'); `make run` makes "
-        "one in var/secret.key. DEBUG=1 allows the development key on a development machine."
+        "SECRET_KEY is not set (or is the public development key) and DEBUG is off, and "
+        f"there is no {MACHINE_KEY_FILE}. Run `make run` once (it makes that file, which every "
+        "command then reads by itself), or set SECRET_KEY, or SECRET_KEY_FILE to a file "
+        "holding it, to a long random value (python -c 'import secrets; "
+        "print(secrets.token_urlsafe(50))'). DEBUG=1 allows the development key on a "
+        "development machine."
     )
 
 
@@ -387,8 +389,21 @@ EXECUTOR_ALLOW_FAULTS = env_bool("EXECUTOR_ALLOW_FAULTS", False)
 EXECUTOR_FAULTS = os.environ.get("EXECUTOR_FAULTS", "")
 EXECUTOR_SWEEP_SECONDS = float(os.environ.get("EXECUTOR_SWEEP_SECONDS", "5"))
 # What `http.get` may read: `host` (on the scheme's default port) or `host:port`. Empty by
-# default: an agent's step reaches nothing that was not named here.
-EXECUTOR_HTTP_ALLOWED_HOSTS = env_list("EXECUTOR_HTTP_ALLOWED_HOSTS", "")
+# default (with a database server or a broker server set): an agent's step reaches nothing
+# that was not named here. The embedded setup (`make run`: SQLite and the embedded broker)
+# allows the ticket desk it starts, 127.0.0.1:TICKETDESK_PORT, so that the tools files of the
+# docs load and run as written; setting the variable (even to nothing) decides otherwise.
+EMBEDDED = not DATABASE_URL and os.environ.get("CELERY_BROKER_URL", "filesystem://").startswith(
+    ("filesystem://", "stepwardfs://")
+)
+EXECUTOR_HTTP_ALLOWED_HOSTS = env_list(
+    "EXECUTOR_HTTP_ALLOWED_HOSTS",
+    f"127.0.0.1:{env_int('TICKETDESK_PORT', 8765)}" if EMBEDDED else "",
+)
+if EMBEDDED:
+    # The demo desk takes any bearer token; the docs' desk tools send ${DESK_TOKEN}. A
+    # deployment's tools read their secrets from its own environment, never a default.
+    os.environ.setdefault("DESK_TOKEN", "demo-desk-accepts-any-token")
 # `http.get` stops reading a response after this many bytes (its result says it was cut).
 EXECUTOR_HTTP_MAX_RESPONSE_BYTES = env_int("EXECUTOR_HTTP_MAX_RESPONSE_BYTES", 1024 * 1024)
 # Where `manage.py up` serves the console and API (`up --port` overrides it).

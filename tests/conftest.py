@@ -35,6 +35,7 @@ HEAVY = (
 )
 EMBEDDED = (
     "tests/recovery/test_up.py",
+    "tests/recovery/test_operator_commands.py",
     "tests/recovery/test_messages.py",
     "tests/recovery/test_crash_points.py",
     "tests/executor/test_event_loop_serving.py",
