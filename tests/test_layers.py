@@ -67,7 +67,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("progress", [r"executor\.progress"]),
     ("engine", [r"executor\.engine(\.\w+)?"]),
     ("recovery", [r"executor\.recovery"]),
-    ("writes", [r"executor\.services(\.\w+)?", r"executor\.sweeper"]),
+    ("writes", [r"executor\.services(\.\w+)?", r"executor\.notify", r"executor\.sweeper"]),
     ("decisions", [r"executor\.decisions"]),
     (
         "entry points",
