@@ -15,3 +15,18 @@ def sync_tools_after_migrate(sender: Any, **kwargs: Any) -> None:
     from executor.services import tools_sync
 
     tools_sync(using=kwargs.get("using", "default"))
+
+
+@receiver(post_migrate)
+def notification_triggers_after_migrate(sender: Any, **kwargs: Any) -> None:
+    """Puts back the notification triggers where a migration rebuilt their table (SQLite
+    rebuilds a table to alter it, and drops its triggers with it)."""
+    if getattr(sender, "name", "") != "executor":
+        return
+    from django.db import connections
+
+    from executor import triggers
+
+    connection = connections[kwargs.get("using", "default")]
+    if "executor_notification" in connection.introspection.table_names():
+        triggers.install(connection)

@@ -44,6 +44,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         [
             r"executor\.tools\.loader",
             r"executor\.transitions",
+            r"executor\.triggers",
             r"executor\.seals",
             r"executor\.runs",
             r"executor\.schemas",

@@ -6,86 +6,17 @@ import executor.models
 from django.conf import settings
 from django.db import migrations, models
 
-# A step that starts waiting for a person, and a run that pauses, insert their Notification
-# in the same statement (docs/notifications.md): it commits or rolls back with the move, on
-# every path that moves steps (one move, a batch, a post's single statement of CTEs), and the
-# engine sends nothing more for it. The WHEN clauses keep the ordinary moves (pending →
-# running → completed) from calling anything.
-WAITING = "('planned', 'unknown', 'dead', 'blocked')"
-KIND = (
-    "CASE NEW.state"
-    " WHEN 'planned' THEN CASE WHEN NEW.compensates_id IS NULL"
-    " THEN 'approval' ELSE 'compensation' END"
-    " WHEN 'failed' THEN 'failed_compensation'"
-    " ELSE NEW.state END"
-)
-STEP_INSERTED = f"NEW.state IN {WAITING}"
-STEP_MOVED = (
-    f"NEW.state <> OLD.state AND (NEW.state IN {WAITING}"
-    " OR (NEW.state = 'failed' AND NEW.compensates_id IS NOT NULL))"
-)
-RUN_PAUSED = "NEW.status = 'paused' AND OLD.status <> 'paused'"
-INSERT_STEP = (
-    "INSERT INTO executor_notification (kind, run_id, step_id, created_at)"
-    f" VALUES ({KIND}, NEW.run_id, NEW.id, NEW.state_since)"
-)
-
-POSTGRESQL = [
-    f"""CREATE FUNCTION stepward_step_waits() RETURNS trigger LANGUAGE plpgsql AS $$
-    BEGIN {INSERT_STEP}; RETURN NULL; END $$""",
-    """CREATE FUNCTION stepward_run_paused() RETURNS trigger LANGUAGE plpgsql AS $$
-    BEGIN
-        INSERT INTO executor_notification (kind, run_id, step_id, created_at)
-        VALUES ('paused', NEW.id, NULL, now());
-        RETURN NULL;
-    END $$""",
-    f"""CREATE TRIGGER stepward_step_inserted_waits AFTER INSERT ON executor_step
-    FOR EACH ROW WHEN ({STEP_INSERTED}) EXECUTE FUNCTION stepward_step_waits()""",
-    f"""CREATE TRIGGER stepward_step_moved_waits AFTER UPDATE OF state ON executor_step
-    FOR EACH ROW WHEN ({STEP_MOVED}) EXECUTE FUNCTION stepward_step_waits()""",
-    f"""CREATE TRIGGER stepward_run_paused AFTER UPDATE OF status ON executor_run
-    FOR EACH ROW WHEN ({RUN_PAUSED}) EXECUTE FUNCTION stepward_run_paused()""",
-]
-POSTGRESQL_REVERSE = [
-    "DROP TRIGGER IF EXISTS stepward_step_inserted_waits ON executor_step",
-    "DROP TRIGGER IF EXISTS stepward_step_moved_waits ON executor_step",
-    "DROP TRIGGER IF EXISTS stepward_run_paused ON executor_run",
-    "DROP FUNCTION IF EXISTS stepward_step_waits()",
-    "DROP FUNCTION IF EXISTS stepward_run_paused()",
-]
-SQLITE = [
-    f"""CREATE TRIGGER stepward_step_inserted_waits AFTER INSERT ON executor_step
-    FOR EACH ROW WHEN {STEP_INSERTED} BEGIN {INSERT_STEP}; END""",
-    f"""CREATE TRIGGER stepward_step_moved_waits AFTER UPDATE OF state ON executor_step
-    FOR EACH ROW WHEN {STEP_MOVED} BEGIN {INSERT_STEP}; END""",
-    f"""CREATE TRIGGER stepward_run_paused AFTER UPDATE OF status ON executor_run
-    FOR EACH ROW WHEN {RUN_PAUSED} BEGIN
-        INSERT INTO executor_notification (kind, run_id, step_id, created_at)
-        VALUES ('paused', NEW.id, NULL, strftime('%Y-%m-%d %H:%M:%f', 'now'));
-    END""",
-]
-SQLITE_REVERSE = [
-    "DROP TRIGGER IF EXISTS stepward_step_inserted_waits",
-    "DROP TRIGGER IF EXISTS stepward_step_moved_waits",
-    "DROP TRIGGER IF EXISTS stepward_run_paused",
-]
+from executor import triggers
 
 
-def _run(statements):
-    def run(apps, schema_editor):
-        vendor = schema_editor.connection.vendor
-        chosen = {"postgresql": statements[0], "sqlite": statements[1]}.get(vendor)
-        if chosen is None:
-            raise RuntimeError(f"notification triggers are written for PostgreSQL and SQLite, not {vendor}")
-        for sql in chosen:
-            schema_editor.execute(sql, params=None)
-
-    return run
+def create_triggers(apps, schema_editor):
+    """A step that starts waiting and a run that pauses insert their Notification in the same
+    statement (executor/triggers.py)."""
+    triggers.install(schema_editor.connection)
 
 
-create_triggers = _run((POSTGRESQL, SQLITE))
-drop_triggers = _run((POSTGRESQL_REVERSE, SQLITE_REVERSE))
-
+def drop_triggers(apps, schema_editor):
+    triggers.uninstall(schema_editor.connection)
 
 class Migration(migrations.Migration):
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import importlib
 import json
 from collections.abc import Iterator
 from datetime import timedelta
@@ -15,6 +14,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+from django.apps import apps
 from django.contrib.auth.models import User
 from django.core.management import call_command
 from django.db import connection, transaction
@@ -23,7 +23,7 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from guardian.shortcuts import assign_perm, remove_perm
 
-from executor import dispatch, engine, notify, runs, services, transitions
+from executor import dispatch, engine, notify, runs, services, signals, transitions, triggers
 from executor.models import (
     Agent,
     DeliveryStatus,
@@ -47,7 +47,6 @@ from tests.support.webhook_receiver import Receiver
 pytestmark = pytest.mark.django_db
 
 KEY = "a-key-the-receiver-holds"
-TRIGGERS = importlib.import_module("executor.migrations.0014_notifications")
 
 
 @pytest.fixture(autouse=True)
@@ -143,11 +142,26 @@ def test_a_move_rolled_back_leaves_no_notification(agent: Agent, run: Run) -> No
 
 
 def _without_triggers() -> None:
-    statements = TRIGGERS.POSTGRESQL_REVERSE if connection.vendor == "postgresql" else None
-    statements = statements or TRIGGERS.SQLITE_REVERSE
-    with connection.cursor() as cursor:
-        for sql in statements:
-            cursor.execute(sql)
+    triggers.uninstall(connection)
+    assert triggers.installed(connection) == set()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_migrate_puts_back_the_triggers_a_table_rebuild_dropped() -> None:
+    assert triggers.installed(connection) == set(triggers.NAMES)
+    if connection.vendor == "sqlite":
+        # How SQLite alters a table: a new one, the rows copied, the old one (and its
+        # triggers) dropped.
+        with connection.schema_editor() as editor:
+            editor._remake_table(Step)
+    else:
+        triggers.uninstall(connection)
+    step_triggers = {"stepward_step_inserted_waits", "stepward_step_moved_waits"}
+    assert not step_triggers & triggers.installed(connection)
+
+    signals.notification_triggers_after_migrate(apps.get_app_config("executor"), using="default")
+
+    assert triggers.installed(connection) == set(triggers.NAMES)
 
 
 def test_the_engine_spends_no_statement_on_notifications(
