@@ -4,6 +4,8 @@ subscriber and window, retried with backoff, shown in admin, and free for the en
 
 from __future__ import annotations
 
+import email
+import email.policy
 import hashlib
 import hmac
 import json
@@ -14,6 +16,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+from aiosmtpd.controller import Controller
 from django.apps import apps
 from django.contrib.auth.models import User
 from django.core.management import call_command
@@ -560,3 +563,44 @@ def test_admin_shows_the_records(owner: User, agent: Agent, run: Run, workspace:
     assert page.status_code == 200
     assert str(step.pk).encode() in page.content
     assert b"approval" in page.content
+
+
+# --- email, through a real SMTP server --------------------------------------------------------
+
+
+@pytest.fixture
+def mailbox() -> Iterator[tuple[int, list[Any]]]:
+    """An SMTP server (aiosmtpd) on a port of its own; what it accepted, as envelopes."""
+    received: list[Any] = []
+
+    class Handler:
+        async def handle_DATA(self, server: Any, session: Any, envelope: Any) -> str:
+            received.append(envelope)
+            return "250 OK"
+
+    port = free_port()
+    controller = Controller(Handler(), hostname="127.0.0.1", port=port)
+    controller.start()
+    yield port, received
+    controller.stop()
+
+
+def test_an_email_subscriber_gets_one_digest_with_the_links(
+    agent: Agent, run: Run, workspace: Workspace, mailbox: tuple[int, list[Any]]
+) -> None:
+    port, received = mailbox
+    url = f"mailto://127.0.0.1:{port}?from=stepward@example.com&to=desk@example.com"
+    subscribe(workspace, url, name="desk mail")
+    needing_approval(workspace)
+    steps = [post(agent, run, "test.write") for _ in range(3)]
+
+    assert sweep().sent == 1
+
+    [envelope] = received
+    assert envelope.rcpt_tos == ["desk@example.com"]
+    mail = email.message_from_bytes(envelope.content, policy=email.policy.default)
+    assert mail["Subject"] == "Stepward: 3 items wait for a person in acme"
+    text = mail.get_body(preferencelist=("plain",)).get_content()
+    for step in steps:
+        assert f"https://stepward.example.com/steps/{step.pk}/" in text
+    assert f"https://stepward.example.com/?workspace={workspace.pk}&state=approval" in text
