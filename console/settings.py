@@ -510,3 +510,21 @@ CELERY_BEAT_SCHEDULE = {
     "stepward-sweep": {"task": "stepward.sweep", "schedule": EXECUTOR_SWEEP_SECONDS},
 }
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
+
+# --- notifications (docs/notifications.md) -------------------------------------------------
+# Apprise URLs told about every workspace's waiting items, separated by spaces or newlines
+# (not commas: an Apprise URL may hold one, as in mailto://…?to=a@x,b@y). Per workspace:
+# admin's notify subscriptions.
+NOTIFY_URLS = os.environ.get("NOTIFY_URLS", "").split()
+# At most one message per subscriber per this many seconds: what arrives meanwhile waits for
+# the next message, a digest.
+NOTIFY_DIGEST_SECONDS = float(os.environ.get("NOTIFY_DIGEST_SECONDS", "60"))
+# Signs the JSON webhooks' bodies (X-Stepward-Signature). Unset: json:// deliveries fail
+# (visibly, in admin) rather than go out unsigned.
+NOTIFY_SIGNING_KEY = os.environ.get("NOTIFY_SIGNING_KEY", "")
+# Retries of a message that could not be delivered: the n-th waits
+# min(NOTIFY_RETRY_SECONDS * 2**(n-1), NOTIFY_RETRY_MAX_SECONDS); after NOTIFY_MAX_ATTEMPTS
+# attempts it is given up (and shown as failed in admin).
+NOTIFY_MAX_ATTEMPTS = env_int("NOTIFY_MAX_ATTEMPTS", 10)
+NOTIFY_RETRY_SECONDS = float(os.environ.get("NOTIFY_RETRY_SECONDS", "30"))
+NOTIFY_RETRY_MAX_SECONDS = float(os.environ.get("NOTIFY_RETRY_MAX_SECONDS", "3600"))

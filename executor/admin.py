@@ -23,7 +23,7 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString
 from guardian.admin import GuardedModelAdmin
 
-from executor import policy, services
+from executor import notify, policy, services
 from executor.gateway import config as gateway_config
 from executor.ledger import verify_chain
 from executor.models import (
@@ -31,10 +31,14 @@ from executor.models import (
     Agent,
     Approval,
     Attempt,
+    DeliveryStatus,
     DrillReport,
     Event,
     HttpToolSpec,
     McpUpstream,
+    Notification,
+    NotifyDelivery,
+    NotifySubscription,
     Run,
     SignInIdentity,
     SignInRole,
@@ -1009,3 +1013,129 @@ class SignInIdentityAdmin(admin.ModelAdmin):
     autocomplete_fields = ["user"]
     fields = ["user", "issuer", "subject", "idp_groups", "created_at", "last_sign_in_at"]
     readonly_fields = ["idp_groups", "created_at", "last_sign_in_at"]
+# --- notifications (docs/notifications.md) ---------------------------------------------------
+
+
+class NotifySubscriptionForm(forms.ModelForm):
+    class Meta:
+        model = NotifySubscription
+        fields = ["workspace", "name", "url", "kinds", "user", "active"]
+        widgets = {"url": forms.TextInput(attrs={"size": 80, "autocomplete": "off"})}
+
+    def clean_url(self) -> str:
+        url = self.cleaned_data["url"].strip()
+        problem = notify.url_problem(url)
+        if problem:
+            raise forms.ValidationError(problem)
+        return url
+
+
+@admin.register(NotifySubscription)
+class NotifySubscriptionAdmin(admin.ModelAdmin):
+    """Who is told about a workspace's waiting items. NOTIFY_URLS adds its URLs to every
+    workspace's; they are shown on the deliveries, not here."""
+
+    form = NotifySubscriptionForm
+    list_display = ["name", "workspace", "masked_url", "kinds", "user", "active"]
+    list_filter = ["active", "workspace"]
+    search_fields = ["name", "workspace__slug", "user__username"]
+    list_select_related = ["workspace", "user"]
+    autocomplete_fields = ["user"]
+    actions = ["send_test"]
+
+    @admin.display(description="URL")
+    def masked_url(self, subscription: NotifySubscription) -> str:
+        return notify.masked(subscription.url)
+
+    @admin.action(description="Send a test message now")
+    def send_test(self, request: HttpRequest, queryset: QuerySet[NotifySubscription]) -> None:
+        message = notify.Message(
+            "Stepward: test message",
+            "A test of this subscription, sent from the admin.",
+            {"event": "test", "workspace": None, "console_url": notify.absolute("/")},
+        )
+        for subscription in queryset:
+            error = notify.apprise_send(subscription.url, message)
+            if error is None:
+                self.message_user(request, f"{subscription}: delivered.", messages.SUCCESS)
+            else:
+                self.message_user(request, f"{subscription}: {error}", messages.ERROR)
+
+
+@admin.register(NotifyDelivery)
+class NotifyDeliveryAdmin(ReadOnlyAdmin):
+    """Every message, sent or not: what it held, how often it was tried, why it failed."""
+
+    list_display = [
+        "created_at",
+        "target",
+        "status",
+        "items",
+        "attempts",
+        "send_after",
+        "next_attempt_at",
+        "sent_at",
+        "last_error_short",
+    ]
+    list_filter = ["status", "created_at"]
+    search_fields = ["target", "last_error", "subscriber"]
+    date_hierarchy = "created_at"
+    exclude = ["notifications"]
+    readonly_fields = ["items"]
+    actions = ["retry_now"]
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[NotifyDelivery]:
+        through = NotifyDelivery.notifications.through
+        return (
+            super().get_queryset(request).annotate(item_count=count_of(through, "notifydelivery"))
+        )
+
+    @admin.display(description="items", ordering="item_count")
+    def items(self, delivery: NotifyDelivery) -> str:
+        count = getattr(delivery, "item_count", None)
+        if count is None:
+            count = delivery.notifications.count()
+        return changelist_link(Notification, count, deliveries__id__exact=delivery.pk)
+
+    @admin.display(description="last error")
+    def last_error_short(self, delivery: NotifyDelivery) -> str:
+        error = delivery.last_error
+        return error if len(error) <= 120 else error[:119] + "…"
+
+    @admin.action(description="Retry now")
+    def retry_now(self, request: HttpRequest, queryset: QuerySet[NotifyDelivery]) -> None:
+        """A pending one is tried at the next sweep; a failed one too, unless its subscriber
+        has another message gathering items already."""
+        retried = 0
+        for delivery in queryset.exclude(status=DeliveryStatus.SENT):
+            other = NotifyDelivery.objects.filter(
+                subscriber=delivery.subscriber, status=DeliveryStatus.PENDING
+            ).exclude(pk=delivery.pk)
+            if other.exists():
+                continue
+            retried += NotifyDelivery.objects.filter(pk=delivery.pk).update(
+                status=DeliveryStatus.PENDING, next_attempt_at=None, attempts=0
+            )
+        self.message_user(request, f"{retried} message(s) will be sent at the next sweep.")
+
+
+@admin.register(Notification)
+class NotificationAdmin(ReadOnlyAdmin):
+    """What started waiting for a person, as the database recorded it with the move."""
+
+    list_display = ["id", "kind", "step_link", "run_link", "created_at", "fanned_out_at"]
+    list_filter = ["kind", "created_at"]
+    search_fields = ["=step__id", "=run__id"]
+    date_hierarchy = "created_at"
+
+    @admin.display(description="step")
+    def step_link(self, notification: Notification) -> str:
+        if notification.step_id is None:
+            return "-"
+        url = reverse("admin:executor_step_change", args=[notification.step_id])
+        return format_html('<a href="{}">{}</a>', url, notification.step_id)
+
+    @admin.display(description="run")
+    def run_link(self, notification: Notification) -> str:
+        url = reverse("admin:executor_run_change", args=[notification.run_id])
+        return format_html('<a href="{}">{}</a>', url, notification.run_id)

@@ -960,3 +960,143 @@ class SignInIdentity(models.Model):
 
     def __str__(self) -> str:
         return f"{self.subject} at {self.issuer}"
+# --- notifications (API.md "Notifications") -------------------------------------------------
+
+
+class NotifyKind(models.TextChoices):
+    """Why an item waits for a person: the inbox's kinds (`executor.selectors.InboxKind`) and
+    paused runs. The same words are the console's inbox filter (`?state=`)."""
+
+    APPROVAL = "approval", "Awaiting approval"
+    COMPENSATION = "compensation", "Compensation request"
+    UNKNOWN = "unknown", "Unknown outcome"
+    DEAD = "dead", "Dead letter"
+    BLOCKED = "blocked", "Blocked"
+    FAILED_COMPENSATION = "failed_compensation", "Failed compensation"
+    PAUSED = "paused", "Paused run"
+
+
+class Notification(models.Model):
+    """Something started waiting for a person.
+
+    Written by the database itself: triggers on the step and run tables (migration
+    0014_notifications) insert it in the very statement that moved the step or paused the
+    run, so it commits or rolls back with that move and costs the engine no statement. The
+    sweeper hands it to its subscribers' messages (`fanned_out_at`, executor/notify.py).
+    """
+
+    kind = models.CharField(max_length=30, choices=NotifyKind.choices)
+    # No database constraint: archiving a run (its rows deleted in batches) must not wait on
+    # these, and a notification of a step gone is simply not listed.
+    run = models.ForeignKey(Run, on_delete=models.DO_NOTHING, db_constraint=False, related_name="+")
+    step = models.ForeignKey(
+        Step, on_delete=models.DO_NOTHING, db_constraint=False, null=True, related_name="+"
+    )
+    created_at = models.DateTimeField()
+    fanned_out_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-id"]
+        indexes = [
+            models.Index(
+                fields=["id"], condition=Q(fanned_out_at__isnull=True), name="notification_new"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} #{self.pk}"
+
+
+def validate_kinds(value: Any) -> None:
+    if not isinstance(value, list) or any(kind not in NotifyKind.values for kind in value):
+        raise ValidationError(
+            f"a list of kinds among {', '.join(NotifyKind.values)} (empty: every kind)"
+        )
+
+
+class NotifySubscription(models.Model):
+    """Who is told about a workspace's waiting items: an Apprise URL (`mailto://…`,
+    `slack://…`, `json://host/path` for the signed webhook). With a user, only the items that
+    user may act on are sent, and only while the user holds the workspace's permission."""
+
+    workspace = models.ForeignKey(
+        Workspace, on_delete=models.CASCADE, related_name="notify_subscriptions"
+    )
+    name = models.CharField(max_length=200)
+    # May hold credentials (a Slack token, an SMTP password): shown masked outside its form.
+    url = models.TextField(help_text="An Apprise URL, e.g. json://hooks.example.com/stepward")
+    kinds = models.JSONField(
+        default=list,
+        blank=True,
+        validators=[validate_kinds],
+        help_text='Which kinds of waiting items, e.g. ["approval", "unknown"]; empty: all.',
+    )
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        on_delete=models.CASCADE,
+        null=True,
+        blank=True,
+        related_name="notify_subscriptions",
+        help_text="A reviewer: only what they may decide, while they may.",
+    )
+    active = models.BooleanField(default=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["workspace", "name"]
+
+    def __str__(self) -> str:
+        return f"{self.workspace}: {self.name}"
+
+
+class DeliveryStatus(models.TextChoices):
+    PENDING = "pending"  # gathering items, waiting for its digest window or its next attempt
+    SENT = "sent"
+    FAILED = "failed"  # every attempt failed: given up
+
+
+class NotifyDelivery(models.Model):
+    """One message to one subscriber: the items gathered for it until it was sent (a digest)."""
+
+    # `subscription:<id>`, or `setting:<hash of the URL>` for one of NOTIFY_URLS.
+    subscriber = models.CharField(max_length=100)
+    subscription = models.ForeignKey(
+        NotifySubscription, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    target = models.TextField(help_text="The subscriber's URL, its secrets masked.")
+    status = models.CharField(
+        max_length=20, choices=DeliveryStatus.choices, default=DeliveryStatus.PENDING
+    )
+    notifications = models.ManyToManyField(Notification, related_name="deliveries")
+    # Not sent before: one message per subscriber per NOTIFY_DIGEST_SECONDS.
+    send_after = models.DateTimeField()
+    attempts = models.PositiveIntegerField(default=0)
+    next_attempt_at = models.DateTimeField(null=True, blank=True)
+    last_error = models.TextField(blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    sent_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(status__in=DeliveryStatus.values), name="notifydelivery_status_valid"
+            ),
+            # At most one message gathering items per subscriber.
+            models.UniqueConstraint(
+                fields=["subscriber"],
+                condition=Q(status=DeliveryStatus.PENDING),
+                name="notifydelivery_one_pending",
+            ),
+        ]
+        indexes = [
+            models.Index(
+                fields=["send_after"],
+                condition=Q(status=DeliveryStatus.PENDING),
+                name="notifydelivery_due",
+            ),
+            models.Index(fields=["subscriber", "sent_at"], name="notifydelivery_last_sent"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.status} to {self.target}"

@@ -23,3 +23,16 @@ def delete_role_group(sender: Any, instance: Any, **kwargs: Any) -> None:
     from django.contrib.auth.models import Group
 
     Group.objects.filter(pk=instance.group_id).delete()
+@receiver(post_migrate)
+def notification_triggers_after_migrate(sender: Any, **kwargs: Any) -> None:
+    """Puts back the notification triggers where a migration rebuilt their table (SQLite
+    rebuilds a table to alter it, and drops its triggers with it)."""
+    if getattr(sender, "name", "") != "executor":
+        return
+    from django.db import connections
+
+    from executor import triggers
+
+    connection = connections[kwargs.get("using", "default")]
+    if "executor_notification" in connection.introspection.table_names():
+        triggers.install(connection)

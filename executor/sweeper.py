@@ -16,7 +16,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
-from executor import dispatch, engine, ledger, policy, progress, recovery, services
+from executor import dispatch, engine, ledger, notify, policy, progress, recovery, services
 from executor.models import Run, RunStatus, Step, SweeperLease
 from executor.states import State
 
@@ -35,6 +35,7 @@ class SweepReport:
     runs_paused: int = 0
     cancelled: int = 0
     checkpoints: int = 0
+    notified: int = 0  # messages sent (docs/notifications.md)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -77,6 +78,7 @@ def sweep(*, owner: str) -> SweepReport | None:
     finally:
         release_lease(owner)
     relist_upstreams()
+    report.notified = send_notifications(owner)
     return report
 
 
@@ -89,6 +91,21 @@ def relist_upstreams() -> None:
                 )
     except Exception:
         logger.exception("sweeper: listing the MCP upstreams failed")
+
+
+def send_notifications(owner: str) -> int:
+    """Notifications' pass (executor/notify.py), outside the sweeper's lease: a subscriber
+    slow to answer must not hold up recovery. Returns the messages sent."""
+    try:
+        done = notify.notify_pass(owner=owner)
+    except Exception:
+        logger.exception("sweeper: sending notifications failed")
+        return 0
+    if done is None:
+        return 0
+    if done.sent or done.retried or done.failed:
+        logger.info("notify: %s", asdict(done))
+    return done.sent
 
 
 def isolated(action: Callable[..., str], step_id: Any, *, actor: str) -> bool:

@@ -44,6 +44,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         [
             r"executor\.tools\.loader",
             r"executor\.transitions",
+            r"executor\.triggers",
             r"executor\.seals",
             r"executor\.runs",
             r"executor\.schemas",
@@ -67,7 +68,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("progress", [r"executor\.progress"]),
     ("engine", [r"executor\.engine(\.\w+)?"]),
     ("recovery", [r"executor\.recovery"]),
-    ("writes", [r"executor\.services(\.\w+)?", r"executor\.sweeper"]),
+    ("writes", [r"executor\.services(\.\w+)?", r"executor\.notify", r"executor\.sweeper"]),
     ("decisions", [r"executor\.decisions"]),
     (
         "entry points",
