@@ -960,6 +960,8 @@ class SignInIdentity(models.Model):
 
     def __str__(self) -> str:
         return f"{self.subject} at {self.issuer}"
+
+
 # --- notifications (API.md "Notifications") -------------------------------------------------
 
 
@@ -1100,3 +1102,50 @@ class NotifyDelivery(models.Model):
 
     def __str__(self) -> str:
         return f"{self.status} to {self.target}"
+
+
+class Counter(models.Model):
+    """A number the ledger keeps as it moves, for /metrics (API.md "For operators:
+    metrics"): written only by the database's triggers on steps and attempts (migration
+    0018), in the transaction of the write that moves it, never by this code.
+
+    Each database session adds to rows of its own (`shard`: its server process id; 0 on
+    SQLite, which has one writer at a time), so two workers never wait on one row; the
+    sweeper folds the rows of sessions that have ended into shard 0 (executor/counters.py).
+    A metric's value is the sum of its rows. `label_a` and `label_b` are its labels' values,
+    in the order docs/metrics.md gives them ("" when it has fewer)."""
+
+    name = models.CharField(max_length=40)
+    label_a = models.CharField(max_length=200, blank=True)
+    label_b = models.CharField(max_length=200, blank=True)
+    shard = models.IntegerField(default=0)
+    value = models.FloatField(default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["name", "label_a", "label_b", "shard"], name="counter_unique"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name}{{{self.label_a},{self.label_b}}}@{self.shard} = {self.value:g}"
+
+
+class RunStepCount(models.Model):
+    """How many of a run's steps are in each state, kept like `Counter` (same triggers,
+    same shards): the runs list reads its page's counts without reading their steps."""
+
+    # Not a foreign key: derived numbers, not part of the ledger (nothing protects them).
+    run_id = models.UUIDField()
+    state = models.CharField(max_length=20)
+    shard = models.IntegerField(default=0)
+    count = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["run_id", "state", "shard"], name="runstepcount_unique")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.run_id} {self.state}@{self.shard} = {self.count}"
