@@ -460,3 +460,9 @@ CELERY_BEAT_SCHEDULE = {
     "stepward-sweep": {"task": "stepward.sweep", "schedule": EXECUTOR_SWEEP_SECONDS},
 }
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
+
+# --- the review desk (docs/reviewers.md) ------------------------------------------------
+# A reviewer's claim on an item ("being handled by …") lapses after this many minutes.
+REVIEW_CLAIM_MINUTES = env_int("REVIEW_CLAIM_MINUTES", 15)
+# How often an open step page asks whether someone else decided or claimed it (seconds).
+CONSOLE_LIVE_SECONDS = env_int("CONSOLE_LIVE_SECONDS", 3)
