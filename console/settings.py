@@ -528,3 +528,8 @@ NOTIFY_SIGNING_KEY = os.environ.get("NOTIFY_SIGNING_KEY", "")
 NOTIFY_MAX_ATTEMPTS = env_int("NOTIFY_MAX_ATTEMPTS", 10)
 NOTIFY_RETRY_SECONDS = float(os.environ.get("NOTIFY_RETRY_SECONDS", "30"))
 NOTIFY_RETRY_MAX_SECONDS = float(os.environ.get("NOTIFY_RETRY_MAX_SECONDS", "3600"))
+# --- the review desk (docs/reviewers.md) ------------------------------------------------
+# A reviewer's claim on an item ("being handled by …") lapses after this many minutes.
+REVIEW_CLAIM_MINUTES = env_int("REVIEW_CLAIM_MINUTES", 15)
+# How often an open step page asks whether someone else decided or claimed it (seconds).
+CONSOLE_LIVE_SECONDS = env_int("CONSOLE_LIVE_SECONDS", 3)

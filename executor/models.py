@@ -688,7 +688,16 @@ class Event(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["step", "seq"], name="event_unique_seq"),
         ]
-        indexes = [models.Index(fields=["run", "created_at"], name="event_run_time")]
+        indexes = [
+            models.Index(fields=["run", "created_at"], name="event_run_time"),
+            # The decisions page: people's moves only, newest first. Partial, so the engine's
+            # own moves (nearly every event) cost it nothing.
+            models.Index(
+                fields=["created_at", "id"],
+                condition=Q(actor__startswith="user:"),
+                name="event_by_person",
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"{self.from_state or '∅'} → {self.to_state} by {self.actor}"
@@ -1149,3 +1158,24 @@ class RunStepCount(models.Model):
 
     def __str__(self) -> str:
         return f"{self.run_id} {self.state}@{self.shard} = {self.count}"
+
+
+class StepClaim(models.Model):
+    """A reviewer's "I am on it" for a waiting step: shown to the others, never a lock.
+
+    Decisions stay checked by the step's version alone; a claim only tells the team who
+    works the item, until it expires (CONSOLE_CLAIM_MINUTES) or is released.
+    """
+
+    step = models.OneToOneField(
+        Step, on_delete=models.CASCADE, primary_key=True, related_name="claim"
+    )
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    claimed_at = models.DateTimeField()
+    expires_at = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"{self.step_id} claimed by {self.user_id} until {self.expires_at:%H:%M}"
+
+    def held(self, now: datetime) -> bool:
+        return self.expires_at > now

@@ -28,6 +28,7 @@ from executor.services.base import (
     require_reason,
     user_actor,
 )
+from executor.services.desk import claims_clear, step_claim, step_release
 from executor.services.posting import (
     MAX_BATCH,
     POST_RETRIES,
@@ -96,6 +97,7 @@ __all__ = [
     "approval_permission",
     "approval_rules",
     "check_external_id",
+    "claims_clear",
     "compensation_request",
     "deadletter_replay",
     "deadletters_replay",
@@ -114,11 +116,13 @@ __all__ = [
     "run_extend_budget",
     "run_resume",
     "step_approve",
+    "step_claim",
     "step_needs_person",
     "step_policy_approval",
     "step_post",
     "step_probe",
     "step_reject",
+    "step_release",
     "step_resolve_unknown",
     "step_resume",
     "steps_post",
