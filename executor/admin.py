@@ -1013,6 +1013,8 @@ class SignInIdentityAdmin(admin.ModelAdmin):
     autocomplete_fields = ["user"]
     fields = ["user", "issuer", "subject", "idp_groups", "created_at", "last_sign_in_at"]
     readonly_fields = ["idp_groups", "created_at", "last_sign_in_at"]
+
+
 # --- notifications (docs/notifications.md) ---------------------------------------------------
 
 

@@ -23,6 +23,8 @@ def delete_role_group(sender: Any, instance: Any, **kwargs: Any) -> None:
     from django.contrib.auth.models import Group
 
     Group.objects.filter(pk=instance.group_id).delete()
+
+
 @receiver(post_migrate)
 def notification_triggers_after_migrate(sender: Any, **kwargs: Any) -> None:
     """Puts back the notification triggers where a migration rebuilt their table (SQLite

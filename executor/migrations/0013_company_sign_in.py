@@ -9,7 +9,7 @@ class Migration(migrations.Migration):
 
     dependencies = [
         ('auth', '0012_alter_user_first_name_max_length'),
-        ('executor', '0012_chain_covers_runs_approvals_attempts'),
+        ("executor", "0012_chain_covers_runs_approvals_attempts"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 

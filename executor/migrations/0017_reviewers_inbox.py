@@ -34,7 +34,7 @@ class Migration(migrations.Migration):
     atomic = False
 
     dependencies = [
-        ("executor", "0012_chain_covers_runs_approvals_attempts"),
+        ("executor", "0014_notifications"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 

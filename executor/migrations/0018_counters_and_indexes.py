@@ -325,7 +325,7 @@ def drop_triggers(apps, schema_editor):
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("executor", "0012_chain_covers_runs_approvals_attempts"),
+        ("executor", "0017_reviewers_inbox"),
     ]
 
     operations = [
