@@ -382,6 +382,20 @@ def test_an_answer_of_the_wrong_shape_ends_on_the_failure_page(
     assert not User.objects.filter(username="grace").exists()
 
 
+def test_with_every_endpoint_set_discovery_is_not_used(
+    client: Client, company: Provider, settings: Any
+) -> None:
+    settings.OIDC_OP_AUTHORIZATION_ENDPOINT = f"{company.issuer}/authorize/"
+    settings.OIDC_OP_TOKEN_ENDPOINT = f"{company.issuer}/token/"
+    settings.OIDC_OP_USER_ENDPOINT = f"{company.issuer}/userinfo/"
+    settings.OIDC_OP_JWKS_ENDPOINT = f"{company.issuer}/.well-known/jwks.json"
+    company.person("leo", "leo-at-example", [])
+
+    assert sign_in(client, "leo", "leo-at-example").status_code == 302
+    assert signed_in_user(client) == User.objects.get(username="leo")
+    assert signin._discovered == {}
+
+
 def test_a_provider_that_cannot_be_reached_ends_on_the_failure_page(
     client: Client, company: Provider, settings: Any
 ) -> None:
