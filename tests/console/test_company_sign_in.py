@@ -202,6 +202,16 @@ def test_the_code_flow_signs_in_with_the_role_the_group_maps_to(
     assert client.get("/").status_code == 200
 
 
+def test_a_next_address_elsewhere_is_not_followed(client: Client, company: Provider) -> None:
+    company.person("nina", "nina-at-example", [])
+    path, query = console_sign_in(
+        client, "nina", "nina-at-example", next_url="https://evil.example/"
+    )
+    answer = client.get(f"{path}?{query}")
+    assert answer.status_code == 302
+    assert answer["Location"] == "/"
+
+
 def test_a_person_with_no_mapped_group_is_signed_in_to_no_workspace(
     client: Client, company: Provider, workspace: Workspace
 ) -> None:
