@@ -978,6 +978,7 @@ class SignInRoleAdmin(admin.ModelAdmin):
     deletion here applies at once to everyone who holds the role."""
 
     list_display = ["idp_group", "workspace", "role", "members", "created_at"]
+    list_select_related = ["workspace"]
     list_filter = ["role", "workspace"]
     search_fields = ["idp_group", "workspace__slug"]
     autocomplete_fields = ["workspace"]

@@ -940,7 +940,7 @@ class SignInRole(models.Model):
         ]
 
     def __str__(self) -> str:
-        return f"{self.idp_group} → {self.role} in {self.workspace_id}"
+        return f"{self.idp_group} → {self.role} in {self.workspace}"
 
 
 class SignInIdentity(models.Model):

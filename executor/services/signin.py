@@ -82,10 +82,14 @@ def sign_in_user(*, person: Person, idp_groups: Collection[str]) -> User:
     )
     found = identity.first()
     user = found.user if found is not None else _identity_create(person)
-    with transaction.atomic():
-        _profile_refresh(user, person)
-        sign_in_roles_sync(user=user, idp_groups=idp_groups)
-        identity.update(idp_groups=sorted(idp_groups), last_sign_in_at=timezone.now())
+    try:
+        with transaction.atomic():
+            _profile_refresh(user, person)
+            sign_in_roles_sync(user=user, idp_groups=idp_groups)
+            identity.update(idp_groups=sorted(idp_groups), last_sign_in_at=timezone.now())
+    except IntegrityError as error:
+        # A mapping deleted in the admin while this sign-in added its group.
+        raise SignInRefused("the roles changed during your sign-in; sign in again") from error
     return user
 
 

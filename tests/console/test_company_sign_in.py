@@ -202,6 +202,16 @@ def test_the_code_flow_signs_in_with_the_role_the_group_maps_to(
     assert client.get("/").status_code == 200
 
 
+def test_a_next_address_elsewhere_is_not_followed(client: Client, company: Provider) -> None:
+    company.person("nina", "nina-at-example", [])
+    path, query = console_sign_in(
+        client, "nina", "nina-at-example", next_url="https://evil.example/"
+    )
+    answer = client.get(f"{path}?{query}")
+    assert answer.status_code == 302
+    assert answer["Location"] == "/"
+
+
 def test_a_person_with_no_mapped_group_is_signed_in_to_no_workspace(
     client: Client, company: Provider, workspace: Workspace
 ) -> None:
@@ -380,6 +390,20 @@ def test_an_answer_of_the_wrong_shape_ends_on_the_failure_page(
     assert shows(answer, signin.UNVERIFIED.format(company=COMPANY))
     assert signed_in_user(client) is None
     assert not User.objects.filter(username="grace").exists()
+
+
+def test_with_every_endpoint_set_discovery_is_not_used(
+    client: Client, company: Provider, settings: Any
+) -> None:
+    settings.OIDC_OP_AUTHORIZATION_ENDPOINT = f"{company.issuer}/authorize/"
+    settings.OIDC_OP_TOKEN_ENDPOINT = f"{company.issuer}/token/"
+    settings.OIDC_OP_USER_ENDPOINT = f"{company.issuer}/userinfo/"
+    settings.OIDC_OP_JWKS_ENDPOINT = f"{company.issuer}/.well-known/jwks.json"
+    company.person("leo", "leo-at-example", [])
+
+    assert sign_in(client, "leo", "leo-at-example").status_code == 302
+    assert signed_in_user(client) == User.objects.get(username="leo")
+    assert signin._discovered == {}
 
 
 def test_a_provider_that_cannot_be_reached_ends_on_the_failure_page(
