@@ -195,6 +195,22 @@ def step_approval_status(step: Step) -> dict[str, Any]:
     }
 
 
+def second_approval_refusal(step: Step, user: User) -> str:
+    """Why `user` may not approve `step` again ("" if they may): a rule asks for two
+    different reviewers and they are already one of them."""
+    if step.state not in (State.PLANNED, State.BLOCKED):
+        return ""
+    if not Signoff.objects.filter(step=step, approver=user, approval__isnull=True).exists():
+        return ""
+    if step_requirement(step).need != policy.Need.TWO:
+        return ""
+    tool = get_tool(step.tool_id)
+    version = approval_rules(step).approval_version(step.run.workspace_id, tool)
+    if any(s.approver_id == user.pk for s in _valid_signoffs(step, version, timezone.now())):
+        return "you have already approved this step: a second, different reviewer must approve it"
+    return ""
+
+
 def step_approve(*, step: Step, user: User, version: int, reason: str) -> Step:
     """A reviewer's approval; see `step_approve_outcome`. Raises when refused."""
     return step_approve_outcome(step=step, user=user, version=version, reason=reason).step
