@@ -234,7 +234,7 @@ DECISIONS: tuple[Decision, ...] = (
         services.approval_permission,
         _resume,
         help="Re-approves this exact call in your name; every check runs again.",
-        refuses=_approve_refuses,
+        refuses=services.second_approval_refusal,
     ),
 )
 BY_NAME = {decision.name: decision for decision in DECISIONS}

@@ -10,7 +10,7 @@ from datetime import datetime
 from typing import Any
 
 from executor import policy
-from executor.models import Approval, Rule, Step, Workspace
+from executor.models import Approval, Rule, Step, Workspace, canonical_hash
 from executor.states import State
 from executor.tools.base import find_tool
 
@@ -65,6 +65,8 @@ def compiled(rules: Sequence[Rule]) -> list[policy.CompiledRule]:
     out = []
     for number, rule in enumerate(rules, start=1):
         rule.pk = rule.pk or -number
+        # As saving would: the compiled rules are cached by id and digest.
+        rule.digest = canonical_hash(rule.content())
         out.append(policy.compiled_rule(rule))
     return out
 

@@ -269,9 +269,16 @@ def step_approve_outcome(*, step: Step, user: User, version: int, reason: str) -
             data["approvers"] = [user_actor(s.approver) for s in signoffs]
         _decide(step, State.APPROVED, user=user, reason=reason, data=data, now=now)
         progress.promote_ready(run_ids=[step.run_id], steps=[step], now=now)
-    names = tuple(s.approver.get_username() for s in signoffs) or (user.get_username(),)
+    if not signoffs:
+        return ApprovalResult(
+            step, ApprovalOutcome.APPROVED, "Approved.", approvers=(user.get_username(),)
+        )
+    names = tuple(s.approver.get_username() for s in signoffs)
     return ApprovalResult(
-        step, ApprovalOutcome.APPROVED, f"Approved by {', '.join(names)}.", approvers=names
+        step,
+        ApprovalOutcome.APPROVED,
+        f"Approved by {' and '.join(names)}: both approvals are given.",
+        approvers=names,
     )
 
 

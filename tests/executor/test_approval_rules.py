@@ -559,3 +559,43 @@ def test_rules_simulate_refuses_a_bad_file_and_a_bad_workspace(tmp_path: Path) -
         call_command("rules_simulate", str(path), stdout=StringIO(), stderr=StringIO())
     with pytest.raises(CommandError, match="no workspace 'nope'"):
         call_command("rules_simulate", "--workspace", "nope", stdout=StringIO())
+
+
+# --- admin ----------------------------------------------------------------------------------
+
+
+def test_a_rules_admin_page_shows_what_the_rules_would_do_to_recent_calls(
+    client: Any, owner: User, agent: Agent, run: Run, tmp_path: Path
+) -> None:
+    load(tmp_path, REFUND_RULES)
+    for amount in (50, 500, 5000):
+        refund(agent, run, amount)
+    client.force_login(owner)
+    rule = Rule.objects.get(action="require_two")
+
+    page = client.get(f"/admin/executor/rule/{rule.pk}/change/")
+
+    assert page.status_code == 200
+    text = page.content.decode()
+    assert (
+        "Of the last 3 calls of payments.refund in every workspace: 1 allowed, 1 to one "
+        "person, 1 to two, 0 refused; this rule decides 1 of them." in text
+    )
+    assert "refund-5000" in text
+    assert "refund-500<" not in text
+
+
+def test_admin_refuses_a_rule_whose_condition_is_bad_and_saves_a_good_one(
+    client: Any, owner: User
+) -> None:
+    client.force_login(owner)
+    form = {"position": "1", "tool": "*", "when": "input.x >", "action": "allow", "reason": ""}
+
+    refused = client.post("/admin/executor/rule/add/", form)
+
+    assert refused.status_code == 200
+    assert "line 1, column" in refused.content.decode()
+    assert Rule.objects.count() == 0
+    saved = client.post("/admin/executor/rule/add/", {**form, "when": "has(input.x)"})
+    assert saved.status_code == 302
+    assert Rule.objects.get().digest

@@ -10,6 +10,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from executor import services
+from executor.tools.base import find_tool
 from executor.tools.files import ToolFileError, read_tool_file
 
 
@@ -128,3 +129,10 @@ class Command(BaseCommand):
             self.stdout.write(
                 f"  #{spec.position} {spec.tool} in {where}: {spec.action} when {spec.when}"
             )
+            if spec.tool != "*" and find_tool(spec.tool) is None:
+                self.stdout.write(
+                    self.style.WARNING(
+                        f"  rule #{spec.position} names {spec.tool}, which is not a registered "
+                        "tool here: it applies once a tool of that name is"
+                    )
+                )
