@@ -599,3 +599,41 @@ def test_admin_refuses_a_rule_whose_condition_is_bad_and_saves_a_good_one(
     saved = client.post("/admin/executor/rule/add/", {**form, "when": "has(input.x)"})
     assert saved.status_code == 302
     assert Rule.objects.get().digest
+
+
+def test_the_example_rules_file_loads_and_decides_as_its_comments_say(
+    agent: Agent, run: Run, api: Any
+) -> None:
+    out = StringIO()
+    call_command("load_tools", str(EXAMPLE_RULES), stdout=out)
+    assert "4 rules replaced the 0 before" in out.getvalue()
+
+    eur = refund_in(agent, run, "eur-50", {"amount": 50, "currency": "EUR"})
+    usd = refund_in(agent, run, "usd-50", {"amount": 50, "currency": "USD"})
+    big = refund_in(agent, run, "eur-5000", {"amount": 5000, "currency": "EUR"})
+    assert [s.state for s in (eur, usd, big)] == [State.PENDING, State.PLANNED, State.PLANNED]
+    assert services.step_requirement(big).need == 2
+
+    # Through the API: a refused call is recorded, failed as policy_denied, with the reason.
+    response = api.post(
+        f"/api/v1/runs/{run.pk}/steps",
+        {
+            "key": "mail-out",
+            "tool": "email.send",
+            "input": {"to": "eve@elsewhere.example", "subject": "hi", "body": "x"},
+        },
+    )
+    assert response.status_code == 201
+    answer = response.json()
+    assert answer["state"] == "failed"
+    assert answer["failure"] == {
+        "class": "policy_denied",
+        "message": "mail leaves the company only from people",
+    }
+
+
+EXAMPLE_RULES = Path(__file__).resolve().parents[2] / "examples" / "rules.toml"
+
+
+def refund_in(agent: Agent, run: Run, key: str, input: dict[str, Any]) -> Any:
+    return post(agent, run, RefundTool.name, key=key, input=input)
