@@ -36,6 +36,7 @@ from executor.models import (
     McpUpstream,
     Rule,
     Run,
+    Signoff,
     Step,
     Tool,
     ToolPolicy,
@@ -813,6 +814,20 @@ class ApprovalInline(ReadOnlyInline):
     ordering = ["approved_at"]
 
 
+class SignoffInline(ReadOnlyInline):
+    """Reviewers' approvals of a call a rule gives to two people (docs/rules.md)."""
+
+    model = Signoff
+    fields = readonly_fields = (
+        "approver",
+        "reason",
+        "policy_version",
+        "signed_at",
+        "approval",
+    )
+    ordering = ["signed_at"]
+
+
 @admin.register(Step)
 class StepAdmin(ReadOnlyAdmin):
     console_page = "step"
@@ -869,7 +884,7 @@ class StepAdmin(ReadOnlyAdmin):
         ("Record", {"fields": ["head_hash", "created_at", "updated_at"]}),
     ]
     readonly_fields = ["chain", "pretty_input", "pretty_result"]
-    inlines = [ApprovalInline, AttemptInline, EventInline]
+    inlines = [ApprovalInline, SignoffInline, AttemptInline, EventInline]
 
     @admin.display(description="tool", ordering="tool")
     def tool_name(self, step: Step) -> str:

@@ -565,12 +565,16 @@ def test_rules_simulate_refuses_a_bad_file_and_a_bad_workspace(tmp_path: Path) -
 
 
 def test_a_rules_admin_page_shows_what_the_rules_would_do_to_recent_calls(
-    client: Any, owner: User, agent: Agent, run: Run, tmp_path: Path
+    client: Any, owner: User, reviewer: User, agent: Agent, run: Run, tmp_path: Path
 ) -> None:
     load(tmp_path, REFUND_RULES)
     for amount in (50, 500, 5000):
-        refund(agent, run, amount)
+        large = refund(agent, run, amount)
+    approve(large, reviewer)
     client.force_login(owner)
+    step_page = client.get(f"/admin/executor/step/{large.pk}/change/").content.decode()
+    assert "Signoffs" in step_page
+    assert ">bob<" in step_page
     rule = Rule.objects.get(action="require_two")
 
     page = client.get(f"/admin/executor/rule/{rule.pk}/change/")
