@@ -64,6 +64,7 @@ from executor.services.reviews import (
     step_reject,
     step_resolve_unknown,
     step_resume,
+    steps_approve,
 )
 from executor.services.rules import RulesLoaded, RuleSpec, rules_check, rules_load
 from executor.services.runs import (
@@ -140,6 +141,7 @@ __all__ = [
     "step_requirement",
     "step_resolve_unknown",
     "step_resume",
+    "steps_approve",
     "steps_post",
     "summary_of",
     "tool_policy_set",

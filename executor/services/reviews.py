@@ -153,7 +153,8 @@ def _sign_off(
     """Records `user`'s approval of a call that a rule gives to two reviewers; returns the
     valid signoffs, this one last. Taken under the step's row lock, so two reviewers signing
     at once are counted in turn: the second sees the first."""
-    Step.objects.select_for_update().filter(pk=step.pk, version=version).first()
+    if Step.objects.select_for_update().filter(pk=step.pk, version=version).first() is None:
+        raise already_handled(step, seen_version=version)
     signoffs = _valid_signoffs(step, policy_version, now)
     if any(signoff.approver_id == user.pk for signoff in signoffs):
         raise NotPermitted(
@@ -280,6 +281,17 @@ def step_approve_outcome(*, step: Step, user: User, version: int, reason: str) -
         f"Approved by {' and '.join(names)}: both approvals are given.",
         approvers=names,
     )
+
+
+def steps_approve(
+    *, steps: Iterable[tuple[Step, int]], user: User, reason: str
+) -> list[ApprovalResult]:
+    """Approves many steps with one reason, each on its own (its version, the permission,
+    four eyes, the rules): one outcome per step, in order, none raised."""
+    return [
+        step_approval_try(step=step, user=user, version=version, reason=reason)
+        for step, version in steps
+    ]
 
 
 def step_approval_try(*, step: Step, user: User, version: int, reason: str) -> ApprovalResult:

@@ -641,3 +641,27 @@ EXAMPLE_RULES = Path(__file__).resolve().parents[2] / "examples" / "rules.toml"
 
 def refund_in(agent: Agent, run: Run, key: str, input: dict[str, Any]) -> Any:
     return post(agent, run, RefundTool.name, key=key, input=input)
+
+
+def test_approving_many_answers_each_steps_outcome(
+    agent: Agent, run: Run, reviewer: User, dora: User, tmp_path: Path
+) -> None:
+    load(tmp_path, REFUND_RULES)
+    one, two, stale = (refund(agent, run, amount) for amount in (500, 5000, 700))
+    seen_stale = stale.version
+    services.step_approve(step=stale, user=dora, version=stale.version, reason="first")
+
+    results = services.steps_approve(
+        steps=[(one, one.version), (two, two.version), (stale, seen_stale)],
+        user=reviewer,
+        reason="batch of refunds checked",
+    )
+
+    assert [r.outcome for r in results] == [
+        services.ApprovalOutcome.APPROVED,
+        services.ApprovalOutcome.WAITING,
+        services.ApprovalOutcome.REFUSED,
+    ]
+    assert results[1].still_needed == 1
+    assert results[2].code == "already_handled"
+    assert "Already handled by user:dora" in results[2].message
