@@ -4,6 +4,8 @@ still needed; the first reviewer cannot count twice."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,9 +13,19 @@ from django.contrib.auth.models import User
 from playwright.sync_api import Browser, Page, expect
 
 from executor import services
-from executor.models import Agent, Run, Signoff
+from executor.models import Agent, Rule, Run, Signoff
 from executor.states import State
-from tests.support.browser import decide, execute, fresh, open_page, post, sign_in
+from tests.support.browser import (
+    DOCS_DIR,
+    VIEWPORT,
+    decide,
+    execute,
+    fresh,
+    open_page,
+    png_size,
+    post,
+    sign_in,
+)
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
@@ -100,3 +112,40 @@ def test_a_require_two_step_is_approved_by_two_reviewers_and_the_page_says_who_i
     open_page(page, live_server.url, f"/steps/{step.pk}/")
     expect(page.get_by_test_id("step-state")).to_have_text("completed")
     expect(page.get_by_test_id("approvers")).to_have_count(0)
+
+
+def test_screenshots_of_a_step_waiting_for_a_second_reviewer_and_a_rules_admin_page(
+    page: Page,
+    live_server: Any,
+    owner: User,
+    reviewer: User,
+    agent: Agent,
+    run: Run,
+    tools: None,
+    tmp_path: Path,
+) -> None:
+    out = DOCS_DIR if os.environ.get("STEPWARD_SCREENSHOTS") == "1" else tmp_path
+    services.rules_load(tables=RULES)
+    for number, amount in enumerate((40, 250, 80, 5000, 1800), start=1):
+        post(agent, run, "example.refund", f"refund-{number}", {"amount": amount})
+    step = post(agent, run, "example.refund", "refund-order-1042", {"amount": 2400})
+    services.step_approve(step=step, user=reviewer, version=step.version, reason="Charged twice.")
+
+    sign_in(page.context, owner, live_server.url)
+    rule = Rule.objects.get(action="require_two")
+    open_page(page, live_server.url, f"/admin/executor/rule/{rule.pk}/change/")
+    expect(page.locator("#content")).to_contain_text("this rule decides 3 of them")
+    page.screenshot(path=out / "admin-rule.png", full_page=True)
+
+    page.context.clear_cookies()
+    sign_in(page.context, reviewer, live_server.url)
+    open_page(page, live_server.url, f"/steps/{step.pk}/")
+    expect(page.get_by_test_id("still-needed")).to_have_text(
+        "Still needed: 1 more reviewer, other than bob."
+    )
+    page.screenshot(path=out / "rules-two-reviewers.png", full_page=True)
+
+    for name in ("admin-rule.png", "rules-two-reviewers.png"):
+        width, height = png_size(out / name)
+        assert width == VIEWPORT["width"], (name, width)
+        assert height >= VIEWPORT["height"], (name, height)
