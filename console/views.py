@@ -601,6 +601,7 @@ def _step_context(
         "approving": selectors.approval_to_give(step=step, tool=tool)
         if step.state == State.PLANNED
         else None,
+        "approval_status": services.step_approval_status(step),
         "decisions": offers,
         "decision_notes": notes,
         # A failure that belongs to no form on the page (the step moved on) shows on top.

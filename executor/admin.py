@@ -19,11 +19,11 @@ from django.db.models import Count, IntegerField, Model, OuterRef, QuerySet, Sub
 from django.db.models.functions import Coalesce
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import reverse
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 from guardian.admin import GuardedModelAdmin
 
-from executor import notify, policy, services
+from executor import notify, policy, rule_simulation, services
 from executor.gateway import config as gateway_config
 from executor.ledger import verify_chain
 from executor.models import (
@@ -39,9 +39,11 @@ from executor.models import (
     Notification,
     NotifyDelivery,
     NotifySubscription,
+    Rule,
     Run,
     SignInIdentity,
     SignInRole,
+    Signoff,
     Step,
     Tool,
     ToolPolicy,
@@ -462,6 +464,73 @@ class ToolPolicyAdmin(admin.ModelAdmin):
     fields = ["workspace", "tool", "approval", "destructive", "irreversible", "cost_above"]
 
 
+@admin.register(Rule)
+class RuleAdmin(admin.ModelAdmin):
+    """Approval rules (API.md "Approval rules", docs/rules.md): tried in position order, the
+    first whose condition holds decides. Saving one is a new policy version for the tools it
+    names: approvals given before no longer authorize. The page shows what the rules in force
+    would do to the workspace's recent calls."""
+
+    list_display = ["position", "tool", "workspace", "action", "when", "reason"]
+    list_display_links = ["position", "tool"]
+    list_filter = ["action", "workspace"]
+    search_fields = ["tool", "when", "reason"]
+    autocomplete_fields = ["workspace"]
+    fields = ["position", "tool", "workspace", "when", "action", "reason", "simulation"]
+    readonly_fields = ["simulation"]
+    ordering = ["position", "id"]
+
+    # Recent calls weighed on the page: enough to see a rule's effect, quick to compute.
+    SIMULATED_CALLS = 200
+
+    @admin.display(description="what the rules would do to recent calls")
+    def simulation(self, rule: Rule) -> SafeString | str:
+        if rule.pk is None:
+            return "Save the rule to see what it would do to recent calls."
+        result = rule_simulation.rules_simulate(
+            workspace=rule.workspace,
+            tool="" if rule.tool == "*" else rule.tool,
+            last=self.SIMULATED_CALLS,
+        )
+        mine = [call for call in result.calls if call.rule_id == rule.pk]
+        counts = result.counts
+        summary = format_html(
+            "Of the last {} calls of {} in {}: {} allowed, {} to one person, {} to two, {} "
+            "refused; this rule decides {} of them.",
+            len(result.calls),
+            rule.tool if rule.tool != "*" else "any tool",
+            rule.workspace.slug if rule.workspace else "every workspace",
+            counts.get("allow", 0),
+            counts.get("require_approval", 0),
+            counts.get("require_two", 0),
+            counts.get("refuse", 0),
+            len(mine),
+        )
+        if not mine:
+            return summary
+        rows = format_html_join(
+            "",
+            "<tr><td>{}</td><td><a href='{}'>{}</a></td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            (
+                (
+                    f"{call.posted_at:%Y-%m-%d %H:%M:%S}",
+                    console_url("step", call.step_id),
+                    call.key,
+                    call.summary,
+                    call.would,
+                    call.happened,
+                )
+                for call in mine[:50]
+            ),
+        )
+        return format_html(
+            '{}<table class="stepward-simulation"><thead><tr><th>posted</th><th>step</th>'
+            "<th>call</th><th>would</th><th>happened</th></tr></thead><tbody>{}</tbody></table>",
+            summary,
+            rows,
+        )
+
+
 # --- agents -----------------------------------------------------------------------------
 
 
@@ -753,6 +822,20 @@ class ApprovalInline(ReadOnlyInline):
     ordering = ["approved_at"]
 
 
+class SignoffInline(ReadOnlyInline):
+    """Reviewers' approvals of a call a rule gives to two people (docs/rules.md)."""
+
+    model = Signoff
+    fields = readonly_fields = (
+        "approver",
+        "reason",
+        "policy_version",
+        "signed_at",
+        "approval",
+    )
+    ordering = ["signed_at"]
+
+
 @admin.register(Step)
 class StepAdmin(ReadOnlyAdmin):
     console_page = "step"
@@ -809,7 +892,7 @@ class StepAdmin(ReadOnlyAdmin):
         ("Record", {"fields": ["head_hash", "created_at", "updated_at"]}),
     ]
     readonly_fields = ["chain", "pretty_input", "pretty_result"]
-    inlines = [ApprovalInline, AttemptInline, EventInline]
+    inlines = [ApprovalInline, SignoffInline, AttemptInline, EventInline]
 
     @admin.display(description="tool", ordering="tool")
     def tool_name(self, step: Step) -> str:

@@ -70,8 +70,16 @@ def _resolve(resolution: str, notice: str) -> Callable[[Step, User, dict[str, An
 
 
 def _approve(step: Step, user: User, data: dict[str, Any]) -> str:
-    services.step_approve(step=step, user=user, version=data["version"], reason=data["reason"])
-    return "Approved."
+    result = services.step_approve_outcome(
+        step=step, user=user, version=data["version"], reason=data["reason"]
+    )
+    return result.message
+
+
+def _approve_refuses(step: Step, user: User) -> str:
+    """Four eyes: not who asked for the step, and not one reviewer twice where a rule asks
+    for two."""
+    return services.own_request_refusal(step, user) or services.second_approval_refusal(step, user)
 
 
 def _reject(step: Step, user: User, data: dict[str, Any]) -> str:
@@ -92,7 +100,11 @@ def _replay(step: Step, user: User, data: dict[str, Any]) -> str:
 
 
 def _resume(step: Step, user: User, data: dict[str, Any]) -> str:
-    services.step_resume(step=step, user=user, version=data["version"], reason=data["reason"])
+    resumed = services.step_resume(
+        step=step, user=user, version=data["version"], reason=data["reason"]
+    )
+    if resumed.state == State.BLOCKED:
+        return "Approved: a rule asks for two reviewers, so the step waits for a second one."
     return "Resumed: the step is pending again."
 
 
@@ -183,7 +195,7 @@ DECISIONS: tuple[Decision, ...] = (
         "Approve this {what}",
         services.approval_permission,
         _approve,
-        refuses=services.own_request_refusal,
+        refuses=_approve_refuses,
     ),
     Decision(
         "reject",
@@ -223,6 +235,7 @@ DECISIONS: tuple[Decision, ...] = (
         services.approval_permission,
         _resume,
         help="Re-approves this exact call in your name; every check runs again.",
+        refuses=services.second_approval_refusal,
     ),
 )
 BY_NAME = {decision.name: decision for decision in DECISIONS}

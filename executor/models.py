@@ -23,6 +23,7 @@ from django.db.models import Q
 from django.utils import timezone
 from guardian.models import GroupObjectPermissionBase, UserObjectPermissionBase
 
+from executor.conditions import ConditionError, compile_condition
 from executor.states import LEASED, State
 
 # The tool contract's vocabulary: the Tool table mirrors what tools declare.
@@ -1179,3 +1180,100 @@ class StepClaim(models.Model):
 
     def held(self, now: datetime) -> bool:
         return self.expires_at > now
+
+
+class RuleAction(models.TextChoices):
+    """What a matching approval rule decides (API.md "Approval rules")."""
+
+    ALLOW = "allow", "allow: no person needed"
+    REQUIRE_APPROVAL = "require_approval", "require_approval: one reviewer"
+    REQUIRE_TWO = "require_two", "require_two: two different reviewers"
+    REFUSE = "refuse", "refuse: fail the step as policy_denied"
+
+
+class Rule(models.Model):
+    """An approval rule: for calls of `tool` (or every tool, "*") in `workspace` (or every
+    workspace), when the CEL condition holds, `action` decides whether a person must approve.
+    The first match in `position` order decides (docs/rules.md).
+
+    Part of the policy version every approval is bound to (through `digest`), so adding,
+    changing, reordering or deleting a rule makes approvals given before authorize nothing.
+    """
+
+    position = models.IntegerField(
+        default=0, help_text="Rules are tried from the lowest position up; the first match wins."
+    )
+    tool = models.CharField(max_length=100, help_text='A tool name, or "*" for every tool.')
+    workspace = models.ForeignKey(
+        Workspace,
+        null=True,
+        blank=True,
+        on_delete=models.CASCADE,
+        related_name="rules",
+        help_text="Empty: every workspace.",
+    )
+    when = models.TextField(
+        help_text="A CEL expression over input, tool, agent and run, e.g. input.amount > 100."
+    )
+    action = models.CharField(max_length=20, choices=RuleAction.choices)
+    reason = models.CharField(max_length=500, blank=True)
+    # What the policy version covers, kept in step with the fields on save: authorization
+    # reads it with the agents' grants, in the same query.
+    digest = models.CharField(max_length=64, editable=False)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["position", "id"]
+        verbose_name = "approval rule"
+        indexes = [models.Index(fields=["tool"], name="rule_tool")]
+
+    def __str__(self) -> str:
+        where = self.workspace.slug if self.workspace_id and self.workspace else "every workspace"
+        return f"#{self.position} {self.tool} in {where}: {self.action} when {self.when[:60]}"
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        self.digest = canonical_hash(self.content())
+        if "update_fields" in kwargs and kwargs["update_fields"] is not None:
+            kwargs["update_fields"] = {*kwargs["update_fields"], "digest"}
+        super().save(*args, **kwargs)
+
+    def clean(self) -> None:
+        # The expression is checked before it is stored: its position where it is wrong.
+        try:
+            compile_condition(self.when)
+        except ConditionError as error:
+            raise ValidationError({"when": str(error)}) from None
+
+    def content(self) -> dict[str, Any]:
+        return {
+            "position": self.position,
+            "tool": self.tool,
+            "workspace": self.workspace_id,
+            "when": self.when,
+            "action": self.action,
+            "reason": self.reason,
+        }
+
+
+class Signoff(models.Model):
+    """One reviewer's approval of a call that a `require_two` rule gives to two people: the
+    first one waits here; the second reviewer's makes the Approval, which names both."""
+
+    step = models.ForeignKey(Step, on_delete=models.PROTECT, related_name="signoffs")
+    approver = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="signoffs"
+    )
+    input_hash = models.CharField(max_length=64)
+    policy_version = models.CharField(max_length=64)
+    reason = models.TextField(blank=True)
+    signed_at = models.DateTimeField()
+    # Set when the second reviewer's approval is made: the approval this signoff is part of.
+    approval = models.ForeignKey(
+        Approval, null=True, blank=True, on_delete=models.PROTECT, related_name="signoffs"
+    )
+
+    class Meta:
+        ordering = ["signed_at", "id"]
+
+    def __str__(self) -> str:
+        return f"signoff of {self.step_id} by {self.approver}"

@@ -17,10 +17,15 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from executor import runs
+from executor.conditions import Condition as RuleCondition
+from executor.conditions import ConditionError, EvaluationError, compile_condition
 from executor.models import (
     Approval,
+    Rule,
+    RuleAction,
     Run,
     RunStatus,
+    Signoff,
     Step,
     Tool,
     ToolGroupObjectPermission,
@@ -37,6 +42,7 @@ class Verdict(enum.StrEnum):
     GO = "go"
     BLOCK = "block"  # authorization or a precondition failed: a person must look
     CANCEL = "cancel"  # the run was cancelled
+    REFUSE = "refuse"  # an approval rule refuses the call: it fails as policy_denied
     PAUSE = "pause"  # the run is paused or out of budget: the step waits
 
 
@@ -66,6 +72,103 @@ REGISTERED = "registered"
 SUPERUSER = "superuser"
 # A workspace's approval policy for a tool: this prefix, then ApprovalPolicy.encoded().
 POLICY = "policy:"
+# An approval rule that applies: this prefix, then "<id>:<digest>"; its position is the
+# row's first column, its workspace (None: every one) and tool ("*": every one) the others.
+RULE = "rule:"
+
+
+@dataclass(frozen=True)
+class CompiledRule:
+    """An approval rule as authorization uses it: its condition checked and ready."""
+
+    id: int
+    position: int
+    tool: str
+    workspace_id: int | None
+    action: RuleAction
+    reason: str
+    when: str
+    condition: RuleCondition | None  # None: stored but no longer valid (fails safe)
+    problem: str = ""
+
+
+# Compiled rules by digest: a rule is compiled once per process, whatever the batches.
+_COMPILED: dict[str, CompiledRule] = {}
+
+
+def compiled_rule(rule: Rule) -> CompiledRule:
+    known = _COMPILED.get(f"{rule.pk}:{rule.digest}")
+    if known is not None:
+        return known
+    condition, problem = None, ""
+    try:
+        condition = compile_condition(rule.when)
+    except ConditionError as error:
+        problem = str(error)
+    compiled = CompiledRule(
+        id=rule.pk,
+        position=rule.position,
+        tool=rule.tool,
+        workspace_id=rule.workspace_id,
+        action=RuleAction(rule.action),
+        reason=rule.reason,
+        when=rule.when,
+        condition=condition,
+        problem=problem,
+    )
+    if len(_COMPILED) > 5000:
+        _COMPILED.clear()
+    _COMPILED[f"{rule.pk}:{rule.digest}"] = compiled
+    return compiled
+
+
+def _compiled_rules(keys: Iterable[str]) -> dict[str, CompiledRule]:
+    """The rules named by "<id>:<digest>", compiled; one query for those not yet seen."""
+    keys = list(keys)
+    missing = [int(key.split(":", 1)[0]) for key in keys if key not in _COMPILED]
+    if missing:
+        for rule in Rule.objects.filter(pk__in=missing):
+            compiled_rule(rule)
+    return {key: _COMPILED[key] for key in keys if key in _COMPILED}
+
+
+class Need(enum.IntEnum):
+    """How many people must approve a call."""
+
+    NONE = 0
+    ONE = 1
+    TWO = 2
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """What the rules (or, where none matches, the tool's policy) ask of one call."""
+
+    need: Need
+    refused: bool = False
+    reason: str = ""
+    rule: CompiledRule | None = None
+    # An evaluation error of the rule that decided (it failed safe: counted as matching).
+    error: str = ""
+
+    @property
+    def label(self) -> str:
+        if self.refused:
+            return "refuse"
+        return {Need.NONE: "allow", Need.ONE: "require_approval", Need.TWO: "require_two"}[
+            self.need
+        ]
+
+    def describe(self) -> str:
+        """Which rule decided and why, as a person reads it."""
+        if self.rule is None:
+            return "no rule matches: the tool's approval policy decides"
+        text = f"rule #{self.rule.position} ({self.rule.tool}): {self.label}"
+        if self.reason:
+            text += f": {self.reason}"
+        if self.error:
+            text += f" (its condition could not be evaluated: {self.error})"
+        return text
 
 
 @dataclass
@@ -79,8 +182,13 @@ class Facts:
 
     grants: set[tuple[int, str, int | None, str]] = field(default_factory=set)
     approvals: dict[Any, Approval] = field(default_factory=dict)
+    # The reviewers' signoffs behind person approvals, by approval id (require_two).
+    signoffs: dict[Any, list[Signoff]] = field(default_factory=dict)
     # approval_version by (workspace, tool): the same for every step of a batch.
     _versions: dict[tuple[int, str], str] = field(default_factory=dict, repr=False)
+    _rules: dict[tuple[int, str], list[CompiledRule]] = field(default_factory=dict, repr=False)
+    # Rules to weigh instead of the stored ones (a simulation of a rules file), in order.
+    candidate_rules: list[CompiledRule] | None = None
 
     def holds(
         self, user_id: int, codename: str, *, workspace_id: int | None = None, tool: str = ""
@@ -100,16 +208,78 @@ class Facts:
         return None
 
     def needs_person(self, workspace_id: int, tool: ToolContract, input: Any) -> bool:
-        """Whether a person must approve this call of `tool` in the workspace."""
+        """Whether the tool's approval policy in the workspace asks a person to approve this
+        call (approval rules aside: `requirement` weighs them first)."""
         policy = self.approval_policy(workspace_id, tool)
         if policy is None:
             return tool.needs_approval(input)
         return policy.needs_person(tool, input)
 
+    def rules(self, workspace_id: int, tool: str) -> list[CompiledRule]:
+        """The approval rules for calls of `tool` in the workspace, in the order they are
+        tried (position, then id)."""
+        key = (workspace_id, tool)
+        if key not in self._rules and self.candidate_rules is not None:
+            self._rules[key] = [
+                rule
+                for rule in self.candidate_rules
+                if rule.workspace_id in (None, workspace_id) and rule.tool in ("*", tool)
+            ]
+        if key not in self._rules:
+            found = [
+                (position, codename.removeprefix(RULE))
+                for position, codename, workspace, name in self.grants
+                if codename.startswith(RULE)
+                and workspace in (None, workspace_id)
+                and name in ("*", tool)
+            ]
+            ordered = sorted(
+                (position, int(text.split(":", 1)[0]), text) for position, text in found
+            )
+            compiled = _compiled_rules(text for _, _, text in ordered)
+            self._rules[key] = [compiled[text] for _, _, text in ordered if text in compiled]
+        return self._rules[key]
+
+    def requirement(
+        self, workspace_id: int, tool: ToolContract, variables: dict[str, Any]
+    ) -> Requirement:
+        """What the call needs: the first rule that matches decides; without one, the
+        tool's approval policy. A condition that cannot be evaluated fails safe: it counts as
+        matching for a rule that asks for people or refuses, and not for one that allows."""
+        for rule in self.rules(workspace_id, tool.name):
+            error = ""
+            if rule.condition is None:
+                error, matched = rule.problem, False
+            else:
+                try:
+                    matched = rule.condition.evaluate(variables)
+                except EvaluationError as failure:
+                    error, matched = str(failure), False
+            if error:
+                matched = rule.action != RuleAction.ALLOW
+            if not matched:
+                continue
+            if rule.action == RuleAction.REFUSE:
+                return Requirement(
+                    Need.NONE, refused=True, reason=rule.reason, rule=rule, error=error
+                )
+            need = {
+                RuleAction.ALLOW: Need.NONE,
+                RuleAction.REQUIRE_APPROVAL: Need.ONE,
+                RuleAction.REQUIRE_TWO: Need.TWO,
+            }[rule.action]
+            return Requirement(need, reason=rule.reason, rule=rule, error=error)
+        person = self.needs_person(workspace_id, tool, variables.get("input"))
+        return Requirement(Need.ONE if person else Need.NONE)
+
     def approval_version(self, workspace_id: int, tool: ToolContract) -> str:
         key = (workspace_id, tool.name)
         if key not in self._versions:
-            self._versions[key] = approval_version(tool, self.approval_policy(workspace_id, tool))
+            self._versions[key] = approval_version(
+                tool,
+                self.approval_policy(workspace_id, tool),
+                self.rules(workspace_id, tool.name),
+            )
         return self._versions[key]
 
 
@@ -130,6 +300,13 @@ def read_facts(steps: Sequence[Step]) -> Facts:
     }
     users = {step.run.agent.user_id for step in steps}
     users |= {a.approver_id for a in approvals.values() if a.approver_id is not None}
+    # Only a person's approval can rest on two signoffs: policy approvals (most) cost nothing.
+    by_person = [a.pk for a in approvals.values() if a.approver_id is not None]
+    signoffs: dict[Any, list[Signoff]] = {}
+    if by_person:
+        for signoff in Signoff.objects.select_related("approver").filter(approval_id__in=by_person):
+            signoffs.setdefault(signoff.approval_id, []).append(signoff)
+            users.add(signoff.approver_id)
     return Facts(
         grants=grants(
             users=users,
@@ -137,6 +314,7 @@ def read_facts(steps: Sequence[Step]) -> Facts:
             tools={step.tool_id for step in steps},
         ),
         approvals=approvals,
+        signoffs=signoffs,
     )
 
 
@@ -161,6 +339,7 @@ def grants(
         "member": user_model.groups.through._meta.db_table,
         "perm": Permission._meta.db_table,
         "policy": ToolPolicy._meta.db_table,
+        "rule": Rule._meta.db_table,
     }
 
     def marks(values: list[Any]) -> str:
@@ -196,7 +375,12 @@ def grants(
         "UNION ALL "
         f"SELECT 0, '{POLICY}' || p.encoded, p.workspace_id, t.name "
         "FROM {policy} p JOIN {tool} t ON t.id = p.tool_id "
-        f"WHERE p.workspace_id IN ({w}) AND t.name IN ({t})"
+        f"WHERE p.workspace_id IN ({w}) AND t.name IN ({t}) "
+        "UNION ALL "
+        f"SELECT r.position, '{RULE}' || r.id || ':' || r.digest, r.workspace_id, r.tool "
+        "FROM {rule} r "
+        f"WHERE (r.workspace_id IN ({w}) OR r.workspace_id IS NULL) "
+        f"AND (r.tool IN ({t}) OR r.tool = '*')"
     ).format(**{name: connection.ops.quote_name(table) for name, table in tables.items()})
     codenames = list(WORKSPACE_CODENAMES)
     params: list[Any] = [
@@ -207,18 +391,28 @@ def grants(
         *tools, True,
         *users, True, True,
         *workspaces, *tools,
+        *workspaces, *tools,
     ]  # fmt: skip
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         return {(row[0], row[1], row[2], row[3]) for row in cursor.fetchall()}
 
 
-def approval_version(tool: ToolContract, policy: ApprovalPolicy | None) -> str:
-    """What an approval is bound to: the tool's declarations and the workspace's approval
-    policy for it, if any. A change to either makes earlier approvals authorize nothing."""
-    if policy is None:
+def approval_version(
+    tool: ToolContract, policy: ApprovalPolicy | None, rules: Sequence[CompiledRule] = ()
+) -> str:
+    """What an approval is bound to: the tool's declarations, the workspace's approval
+    policy for it, if any, and the approval rules that apply to it, in their order. A change
+    to any makes earlier approvals authorize nothing."""
+    if policy is None and not rules:
         return tool.policy_version()
-    text = f"{tool.policy_version()}|{policy.encoded()}"
+    text = f"{tool.policy_version()}|{policy.encoded() if policy is not None else ''}"
+    if rules:
+        # Rules were added after the first two parts: a version without them is unchanged.
+        content = [
+            (r.id, r.position, r.tool, r.workspace_id, r.action, r.reason, r.when) for r in rules
+        ]
+        text += "|" + hashlib.sha256(repr(content).encode()).hexdigest()
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -243,7 +437,10 @@ def approval_problem(
     if approval.input_hash != step.input_hash or approval.tool != step.tool_id:
         return "the approval does not match this call"
     if approval.policy_version != facts.approval_version(step.run.workspace_id, tool):
-        return "the tool's policy changed since the approval"
+        return (
+            "the tool's policy changed since the approval (its declarations, the "
+            "workspace's policy or the approval rules)"
+        )
     if approval.approver_id is not None:
         approver = approval.approver
         assert approver is not None
@@ -262,8 +459,58 @@ def approval_problem(
 
 def needs_person(step: Step, tool: ToolContract, facts: Facts) -> bool:
     """Whether a person must approve this step's call: every compensation, and what the
-    workspace's policy (or else the tool's declaration) says of the call."""
-    return bool(step.compensates_id) or facts.needs_person(step.run.workspace_id, tool, step.input)
+    approval rules (the first that matches), or else the workspace's policy or the tool's
+    declaration, say of the call. A refusing rule counts as needing one: nobody's policy
+    approval lets a refused call go. `step.run` and `step.run.agent` are expected loaded."""
+    if step.compensates_id:
+        return True
+    requirement = facts.requirement(step.run.workspace_id, tool, call_variables(step, tool))
+    return requirement.refused or requirement.need > Need.NONE
+
+
+def call_variables(step: Step, tool: ToolContract) -> dict[str, Any]:
+    """What a rule's condition reads of a step's call (docs/rules.md): the same at posting,
+    at every claim and in a simulation, so a rule decides a call the same way each time.
+    `step.run` and `step.run.agent` are expected to be loaded."""
+    return rule_variables(input=step.input, tool=tool, agent_name=step.run.agent.name, run=step.run)
+
+
+def rule_variables(*, input: Any, tool: ToolContract, agent_name: str, run: Run) -> dict[str, Any]:
+    return {
+        "input": input,
+        "tool": {
+            "name": tool.name,
+            "effect": str(tool.effect),
+            "idempotency": str(tool.idempotency),
+            "irreversible": tool.is_irreversible(),
+            "compensation": tool.compensation or "",
+        },
+        "agent": {"name": agent_name},
+        "run": {"id": str(run.pk), "name": run.name, "key": run.key or ""},
+    }
+
+
+def signoff_problem(
+    step: Step, approval: Approval, now: datetime, facts: Facts, *, need: int
+) -> str:
+    """Why a person's approval does not carry the `need` different reviewers a rule asks
+    for ("" when it does): each still valid, for this exact call, under this version."""
+    max_age = timedelta(seconds=settings.EXECUTOR_APPROVAL_MAX_AGE)
+    permission = approval_permission(step)
+    valid = set()
+    for signoff in facts.signoffs.get(approval.pk, []):
+        approver = signoff.approver
+        if (
+            signoff.input_hash == step.input_hash
+            and signoff.policy_version == approval.policy_version
+            and signoff.signed_at >= now - max_age
+            and approver.is_active
+            and facts.holds(approver.pk, permission, workspace_id=step.run.workspace_id)
+        ):
+            valid.add(approver.pk)
+    if len(valid) >= need:
+        return ""
+    return f"a rule asks for {need} different reviewers; {len(valid)} valid approval(s)"
 
 
 def decide(step: Step, tool: ToolContract, facts: Facts, *, now: datetime) -> Decision:
@@ -286,7 +533,18 @@ def decide(step: Step, tool: ToolContract, facts: Facts, *, now: datetime) -> De
         return Decision(Verdict.BLOCK, f"the tool {step.tool_id} is no longer registered")
     if not facts.holds(user.pk, "use_tool", tool=step.tool_id):
         return Decision(Verdict.BLOCK, f"the agent {agent.name} may no longer use {step.tool_id}")
-    problem = approval_problem(step, tool, facts.approvals.get(step.pk), now, facts)
+    approval = facts.approvals.get(step.pk)
+    need = Need.NONE
+    if facts.rules(run.workspace_id, step.tool_id):
+        requirement = facts.requirement(run.workspace_id, tool, call_variables(step, tool))
+        if requirement.refused:
+            return Decision(Verdict.REFUSE, requirement.reason or requirement.describe())
+        need = requirement.need
+    problem = approval_problem(step, tool, approval, now, facts)
+    if not problem and need > Need.NONE and approval is not None and approval.approver_id is None:
+        problem = "a rule asks for a person's approval"
+    if not problem and need == Need.TWO and approval is not None:
+        problem = signoff_problem(step, approval, now, facts, need=2)
     if problem:
         return Decision(Verdict.BLOCK, problem)
     if run.deadline is not None and run.deadline <= now:

@@ -27,8 +27,9 @@ class State(models.TextChoices):
 S = State
 
 ALLOWED: dict[State, frozenset[State]] = {
-    # A reviewer's or the policy's approval; a reviewer's rejection; the agent's cancel.
-    S.PLANNED: frozenset({S.APPROVED, S.REJECTED, S.CANCELLED}),
+    # A reviewer's or the policy's approval; a reviewer's rejection; the agent's cancel; an
+    # approval rule's refusal (policy_denied).
+    S.PLANNED: frozenset({S.APPROVED, S.REJECTED, S.CANCELLED, S.FAILED}),
     # Dependencies met and budget left; a cancel (also when a dependency can never complete).
     S.APPROVED: frozenset({S.PENDING, S.CANCELLED}),
     # A worker's claim; a cancel before anything was sent.

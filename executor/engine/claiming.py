@@ -32,7 +32,7 @@ from executor.engine.common import (
 from executor.models import Attempt, Effect, Phase, Run, RunStatus, Step
 from executor.models import Tool as ToolRow
 from executor.states import State
-from executor.tools.base import Tool, find_tool
+from executor.tools.base import FailureClass, Tool, find_tool
 
 LIGHT_EFFECTS = (Effect.PURE, Effect.READ)
 
@@ -397,6 +397,18 @@ def _refusal(
         return transitions.Move(step, State.PENDING, actor="policy", reason=f"run paused: {reason}")
     if decision.verdict == policy.Verdict.CANCEL:
         return transitions.Move(step, State.CANCELLED, actor="policy", reason=decision.reason)
+    if decision.verdict == policy.Verdict.REFUSE:
+        return transitions.Move(
+            step,
+            State.FAILED,
+            actor="policy",
+            reason=f"refused by an approval rule: {decision.reason}",
+            changes={
+                "not_before": None,
+                "failure_class": FailureClass.POLICY_DENIED,
+                "failure_message": decision.reason,
+            },
+        )
     if decision.verdict == policy.Verdict.PAUSE:
         policy.run_pause(step.run, reason=decision.reason, now=now)
         return transitions.Move(step, State.PENDING, actor="policy", reason=decision.reason)

@@ -34,7 +34,7 @@ class Migration(migrations.Migration):
     atomic = False
 
     dependencies = [
-        ("executor", "0014_notifications"),
+        ("executor", "0016_approval_rules"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 

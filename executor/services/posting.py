@@ -20,8 +20,8 @@ from executor.models import (
 )
 from executor.services.base import Conflict, Invalid, NotPermitted, ServiceError, agent_actor
 from executor.states import DEPENDENCY_DEAD_ENDS, State
+from executor.tools.base import FailureClass, find_tool, get_tool
 from executor.tools.base import Tool as ToolContract
-from executor.tools.base import find_tool, get_tool
 
 MAX_BATCH = 500
 
@@ -175,9 +175,16 @@ def _steps_post_once(
             input_summary=summary_of(request, tool),
             depends_on=depends_on,
         )
-        needs_person = may.needs_person(run.workspace_id, tool, request.input)
-        version = None if needs_person else may.approval_version(run.workspace_id, tool)
+        requirement = may.requirement(
+            run.workspace_id,
+            tool,
+            policy.rule_variables(input=request.input, tool=tool, agent_name=agent.name, run=run),
+        )
+        needs_none = requirement.need == policy.Need.NONE and not requirement.refused
+        version = may.approval_version(run.workspace_id, tool) if needs_none else None
         history = _posted_history(step, known, seen, policy_version=version, actor=actor, now=now)
+        if requirement.refused:
+            history.append(_refused_by_rule(step, requirement))
         new.append((step, history))
         steps.append(step)
         seen[request.key] = step
@@ -279,6 +286,19 @@ def _posted_history(
     return history
 
 
+def _refused_by_rule(step: Step, requirement: policy.Requirement) -> transitions.Posted:
+    """A call an approval rule refuses is recorded, and fails at once as policy_denied."""
+    reason = requirement.reason or requirement.describe()
+    step.failure_class = FailureClass.POLICY_DENIED
+    step.failure_message = reason[:2000]
+    return transitions.Posted(
+        State.FAILED,
+        "policy",
+        f"refused by an approval rule: {reason}",
+        {"rule": requirement.rule.id if requirement.rule else None},
+    )
+
+
 def _same_step_or_conflict(existing: Step, input_hash: str, depends_on: list[str]) -> Step:
     if existing.input_hash == input_hash and list(existing.depends_on) == depends_on:
         return existing
@@ -313,7 +333,14 @@ def approval_rules(step: Step) -> policy.Facts:
     return policy.workspace_facts(step.run.workspace_id, [step.tool_id])
 
 
+def step_requirement(step: Step) -> policy.Requirement:
+    """What the approval rules (or the tool's policy) ask of this step's call now."""
+    tool = get_tool(step.tool_id)
+    return approval_rules(step).requirement(
+        step.run.workspace_id, tool, policy.call_variables(step, tool)
+    )
+
+
 def step_needs_person(step: Step) -> bool:
     """Whether a person must approve this step's call in its workspace now."""
-    tool = get_tool(step.tool_id)
-    return approval_rules(step).needs_person(step.run.workspace_id, tool, step.input)
+    return step_requirement(step).need > policy.Need.NONE

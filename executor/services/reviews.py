@@ -4,6 +4,7 @@ executor/decisions.py's table."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -19,6 +20,7 @@ from executor.models import (
     Effect,
     Event,
     Idempotency,
+    Signoff,
     Step,
     call_hash,
 )
@@ -32,7 +34,12 @@ from executor.services.base import (
     require_reason,
     user_actor,
 )
-from executor.services.posting import approval_rules, step_needs_person, step_policy_approval
+from executor.services.posting import (
+    approval_rules,
+    step_needs_person,
+    step_policy_approval,
+    step_requirement,
+)
 from executor.states import State
 from executor.tools.base import LookupOutcome, get_tool
 
@@ -74,7 +81,9 @@ def _decide(step: Step, target: State, *, user: User, reason: str, **kwargs: Any
         raise already_handled(step) from None
 
 
-def _approve(step: Step, *, user: User, reason: str, now: datetime) -> Approval:
+def _approve(
+    step: Step, *, user: User, reason: str, now: datetime, version: str | None = None
+) -> Approval:
     tool = get_tool(step.tool_id)
     Approval.objects.filter(step=step, consumed_at__isnull=True, revoked_at__isnull=True).update(
         revoked_at=now
@@ -83,7 +92,8 @@ def _approve(step: Step, *, user: User, reason: str, now: datetime) -> Approval:
         step=step,
         input_hash=step.input_hash,
         tool=step.tool_id,
-        policy_version=approval_rules(step).approval_version(step.run.workspace_id, tool),
+        policy_version=version
+        or approval_rules(step).approval_version(step.run.workspace_id, tool),
         approver=user,
         reason=reason,
         approved_at=now,
@@ -94,11 +104,128 @@ def _approve(step: Step, *, user: User, reason: str, now: datetime) -> Approval:
 approval_permission = policy.approval_permission
 
 
+class ApprovalOutcome(TextChoices):
+    """What a reviewer's approval of one step came to (each step on its own, also in bulk)."""
+
+    APPROVED = "approved", "approved"
+    WAITING = "waiting", "waiting for a second approver"
+    REFUSED = "refused", "refused"
+
+
+@dataclass(frozen=True)
+class ApprovalResult:
+    """One step's outcome of an approval: what it came to, a sentence that says so, who has
+    approved it under the current rules and how many more reviewers it still needs."""
+
+    step: Step
+    outcome: ApprovalOutcome
+    message: str
+    approvers: tuple[str, ...] = ()
+    still_needed: int = 0
+    code: str = ""
+
+
+def _valid_signoffs(step: Step, version: str, now: datetime) -> list[Signoff]:
+    """Signoffs of this exact call under the current policy version, not yet used, recent,
+    one per reviewer (the earliest), by reviewers who still hold the permission."""
+    max_age = timedelta(seconds=settings.EXECUTOR_APPROVAL_MAX_AGE)
+    permission = approval_permission(step)
+    seen: dict[int, Signoff] = {}
+    for signoff in Signoff.objects.select_related("approver").filter(
+        step=step,
+        approval__isnull=True,
+        input_hash=step.input_hash,
+        policy_version=version,
+        signed_at__gte=now - max_age,
+    ):
+        approver = signoff.approver
+        if approver.pk in seen or not approver.is_active:
+            continue
+        if not approver.has_perm(f"executor.{permission}", step.run.workspace):
+            continue
+        seen[approver.pk] = signoff
+    return list(seen.values())
+
+
+def _sign_off(
+    step: Step, *, user: User, version: int, policy_version: str, reason: str, now: datetime
+) -> list[Signoff]:
+    """Records `user`'s approval of a call that a rule gives to two reviewers; returns the
+    valid signoffs, this one last. Taken under the step's row lock, so two reviewers signing
+    at once are counted in turn: the second sees the first."""
+    if Step.objects.select_for_update().filter(pk=step.pk, version=version).first() is None:
+        raise already_handled(step, seen_version=version)
+    signoffs = _valid_signoffs(step, policy_version, now)
+    if any(signoff.approver_id == user.pk for signoff in signoffs):
+        raise NotPermitted(
+            "you have already approved this step: a rule asks for a second, different reviewer",
+            {"approvers": [s.approver.get_username() for s in signoffs]},
+        )
+    signoffs.append(
+        Signoff.objects.create(
+            step=step,
+            approver=user,
+            input_hash=step.input_hash,
+            policy_version=policy_version,
+            reason=reason,
+            signed_at=now,
+        )
+    )
+    return signoffs
+
+
+def step_approval_status(step: Step) -> dict[str, Any]:
+    """Who has approved the step toward what its rule asks, and how many more it needs
+    (the step page's "approved by … · still needed"). `need` is 0 when no person is needed."""
+    if step.state not in (State.PLANNED, State.BLOCKED):
+        return {"need": 0, "approvers": [], "still_needed": 0, "rule": ""}
+    requirement = step_requirement(step)
+    tool = get_tool(step.tool_id)
+    version = approval_rules(step).approval_version(step.run.workspace_id, tool)
+    approvers = [
+        signoff.approver.get_username()
+        for signoff in _valid_signoffs(step, version, timezone.now())
+    ]
+    need = 0 if requirement.refused else int(requirement.need)
+    return {
+        "need": need,
+        "approvers": approvers if need == 2 else [],
+        "still_needed": max(0, need - len(approvers)) if need == 2 else need,
+        "rule": requirement.describe() if requirement.rule is not None else "",
+        "refused": requirement.refused,
+    }
+
+
+def second_approval_refusal(step: Step, user: User) -> str:
+    """Why `user` may not approve `step` again ("" if they may): a rule asks for two
+    different reviewers and they are already one of them."""
+    if step.state not in (State.PLANNED, State.BLOCKED):
+        return ""
+    if not Signoff.objects.filter(step=step, approver=user, approval__isnull=True).exists():
+        return ""
+    if step_requirement(step).need != policy.Need.TWO:
+        return ""
+    tool = get_tool(step.tool_id)
+    version = approval_rules(step).approval_version(step.run.workspace_id, tool)
+    if any(s.approver_id == user.pk for s in _valid_signoffs(step, version, timezone.now())):
+        return "you have already approved this step: a second, different reviewer must approve it"
+    return ""
+
+
 def step_approve(*, step: Step, user: User, version: int, reason: str) -> Step:
-    """planned → approved (→ pending once dependencies are done), bound to this exact call.
+    """A reviewer's approval; see `step_approve_outcome`. Raises when refused."""
+    return step_approve_outcome(step=step, user=user, version=version, reason=reason).step
+
+
+def step_approve_outcome(*, step: Step, user: User, version: int, reason: str) -> ApprovalResult:
+    """planned → approved (→ pending once dependencies are done), bound to this exact call;
+    or, where an approval rule asks for two reviewers and this is the first, the approval is
+    recorded and the step waits for a second, different reviewer (ApprovalOutcome.WAITING).
 
     Four eyes: who requested the step (a reviewer asking for a compensation) may not also
-    approve it, unless EXECUTOR_ALLOW_SELF_APPROVAL is on (a one-person team).
+    approve it, unless EXECUTOR_ALLOW_SELF_APPROVAL is on (a one-person team); nor may one
+    reviewer be both of two. A call the rules now refuse cannot be approved. A refusal
+    raises its ServiceError; `step_approval_try` answers it as an outcome instead.
     """
     reason = require_reason(reason)
     step = _fresh(step, version, State.PLANNED)
@@ -106,12 +233,74 @@ def step_approve(*, step: Step, user: User, version: int, reason: str) -> Step:
     refusal = own_request_refusal(step, user)
     if refusal:
         raise NotPermitted(refusal, {"requested_by": user_actor(user)})
+    requirement = step_requirement(step)
+    if requirement.refused:
+        raise NotPermitted(
+            f"an approval rule refuses this call: {requirement.reason or requirement.describe()}",
+            {"rule": requirement.rule.id if requirement.rule else None},
+        )
     now = timezone.now()
+    tool = get_tool(step.tool_id)
+    policy_version = approval_rules(step).approval_version(step.run.workspace_id, tool)
     with transaction.atomic():
-        approval = _approve(step, user=user, reason=reason, now=now)
-        _decide(step, State.APPROVED, user=user, reason=reason, data=recorded(approval), now=now)
+        signoffs: list[Signoff] = []
+        if requirement.need == policy.Need.TWO:
+            signoffs = _sign_off(
+                step,
+                user=user,
+                version=version,
+                policy_version=policy_version,
+                reason=reason,
+                now=now,
+            )
+            names = tuple(s.approver.get_username() for s in signoffs)
+            if len(signoffs) < 2:
+                return ApprovalResult(
+                    step,
+                    ApprovalOutcome.WAITING,
+                    f"Approved by {', '.join(names)}: a rule asks for two reviewers, so the "
+                    "step waits for a second, different approver.",
+                    approvers=names,
+                    still_needed=2 - len(signoffs),
+                )
+        approval = _approve(step, user=user, reason=reason, now=now, version=policy_version)
+        data = recorded(approval)
+        if signoffs:
+            Signoff.objects.filter(pk__in=[s.pk for s in signoffs]).update(approval=approval)
+            data["approvers"] = [user_actor(s.approver) for s in signoffs]
+        _decide(step, State.APPROVED, user=user, reason=reason, data=data, now=now)
         progress.promote_ready(run_ids=[step.run_id], steps=[step], now=now)
-    return step
+    if not signoffs:
+        return ApprovalResult(
+            step, ApprovalOutcome.APPROVED, "Approved.", approvers=(user.get_username(),)
+        )
+    names = tuple(s.approver.get_username() for s in signoffs)
+    return ApprovalResult(
+        step,
+        ApprovalOutcome.APPROVED,
+        f"Approved by {' and '.join(names)}: both approvals are given.",
+        approvers=names,
+    )
+
+
+def steps_approve(
+    *, steps: Iterable[tuple[Step, int]], user: User, reason: str
+) -> list[ApprovalResult]:
+    """Approves many steps with one reason, each on its own (its version, the permission,
+    four eyes, the rules): one outcome per step, in order, none raised."""
+    return [
+        step_approval_try(step=step, user=user, version=version, reason=reason)
+        for step, version in steps
+    ]
+
+
+def step_approval_try(*, step: Step, user: User, version: int, reason: str) -> ApprovalResult:
+    """`step_approve_outcome` for callers that report each step of many (bulk decisions):
+    a refusal is an outcome (REFUSED, with the reason and the error's code), not an error."""
+    try:
+        return step_approve_outcome(step=step, user=user, version=version, reason=reason)
+    except ServiceError as error:
+        return ApprovalResult(step, ApprovalOutcome.REFUSED, error.message, code=error.code)
 
 
 def own_request_refusal(step: Step, user: User) -> str:
@@ -362,9 +551,34 @@ def step_resume(*, step: Step, user: User, version: int, reason: str) -> Step:
     reason = require_reason(reason)
     step = _fresh(step, version, State.BLOCKED)
     require_perm(user, approval_permission(step), step.run.workspace)
+    requirement = step_requirement(step)
+    if requirement.refused:
+        raise NotPermitted(
+            f"an approval rule refuses this call: {requirement.reason or requirement.describe()}"
+        )
     now = timezone.now()
+    tool = get_tool(step.tool_id)
+    policy_version = approval_rules(step).approval_version(step.run.workspace_id, tool)
     with transaction.atomic():
-        approval = _approve(step, user=user, reason=reason, now=now)
+        signoffs: list[Signoff] = []
+        if requirement.need == policy.Need.TWO:
+            # As for a planned step: two different reviewers, each recorded; the first waits.
+            refusal = own_request_refusal(step, user)
+            if refusal:
+                raise NotPermitted(refusal)
+            signoffs = _sign_off(
+                step,
+                user=user,
+                version=version,
+                policy_version=policy_version,
+                reason=reason,
+                now=now,
+            )
+            if len(signoffs) < 2:
+                return step
+        approval = _approve(step, user=user, reason=reason, now=now, version=policy_version)
+        if signoffs:
+            Signoff.objects.filter(pk__in=[s.pk for s in signoffs]).update(approval=approval)
         _decide(
             step,
             State.PENDING,

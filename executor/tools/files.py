@@ -1,7 +1,7 @@
 """A tools file, as `manage.py load_tools FILE.toml` reads it: `[[tool]]` tables (HTTP tools,
-API.md "Your own tools") and `[[upstream]]` tables (MCP servers behind Stepward, "MCP
-gateway"), unchecked: `tools.http.spec_errors` and `gateway.config.upstream_errors` check
-each table.
+API.md "Your own tools"), `[[upstream]]` tables (MCP servers behind Stepward, "MCP gateway")
+and `[[rule]]` tables (approval rules), unchecked: `tools.http.spec_errors`,
+`gateway.config.upstream_errors` and `services.rules.rules_check` check each table.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from executor.tools.http import ENV_PLACEHOLDER
 
-KINDS = {"tool": "tools", "upstream": "upstreams"}
+KINDS = {"tool": "tools", "upstream": "upstreams", "rule": "rules"}
 
 
 class ToolFileError(ValueError):
@@ -26,6 +26,8 @@ class ToolFile:
     path: Path
     tools: list[dict[str, Any]]
     upstreams: list[dict[str, Any]]
+    # Approval rules (API.md "Approval rules"): checked by executor.services.rules.
+    rules: list[dict[str, Any]]
 
 
 def read_tool_file(path: Path) -> ToolFile:
@@ -38,7 +40,8 @@ def read_tool_file(path: Path) -> ToolFile:
     unknown = sorted(set(data) - set(KINDS))
     if unknown:
         raise ToolFileError(
-            f"{path}: unknown table(s) {', '.join(unknown)}; expected [[tool]] or [[upstream]]"
+            f"{path}: unknown table(s) {', '.join(unknown)}; "
+            "expected [[tool]], [[upstream]] or [[rule]]"
         )
     found: dict[str, list[dict[str, Any]]] = {}
     for kind in KINDS:
@@ -47,8 +50,10 @@ def read_tool_file(path: Path) -> ToolFile:
             raise ToolFileError(f"{path}: every {kind} must be a [[{kind}]] table")
         found[kind] = tables
     if not any(found.values()):
-        raise ToolFileError(f"{path}: no [[tool]] or [[upstream]] tables")
-    return ToolFile(path=path, tools=found["tool"], upstreams=found["upstream"])
+        raise ToolFileError(f"{path}: no [[tool]], [[upstream]] or [[rule]] tables")
+    return ToolFile(
+        path=path, tools=found["tool"], upstreams=found["upstream"], rules=found["rule"]
+    )
 
 
 # Where a table may read `${NAME}`: an HTTP tool's URLs and header values; an upstream's

@@ -1,5 +1,6 @@
-"""`manage.py load_tools FILE.toml [--check] [--prune] [--no-connect]`: HTTP tools and MCP
-upstreams as data (API.md "Your own tools", "MCP gateway")."""
+"""`manage.py load_tools FILE.toml [--check] [--prune] [--no-connect]`: HTTP tools, MCP
+upstreams and approval rules as data (API.md "Your own tools", "MCP gateway", "Approval
+rules")."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from executor import services
+from executor.tools.base import find_tool
 from executor.tools.files import ToolFileError, read_tool_file, unset_variables
 
 
@@ -17,7 +19,8 @@ class Command(BaseCommand):
     help = (
         "Creates or updates the HTTP tools ([[tool]] tables) and MCP upstreams ([[upstream]] "
         "tables) of a TOML file (API.md), all or nothing, and asks each upstream for its "
-        "tools. --check validates and says what would change, writing nothing; --prune also "
+        "tools; its [[rule]] tables, if any, become the approval rules. --check validates "
+        "and says what would change, writing nothing; --prune also "
         "removes the HTTP tools and upstreams the file does not name (of the kinds it holds)."
     )
 
@@ -58,6 +61,9 @@ class Command(BaseCommand):
                 "(--no-env-check loads without it, where only the workers hold it)."
             )
         try:
+            # The rules are checked before anything is written: all or nothing.
+            if file.rules:
+                services.rules_check(file.rules)
             report = services.tools_load(
                 tables=file.tools,
                 upstreams=file.upstreams,
@@ -65,10 +71,17 @@ class Command(BaseCommand):
                 check=options["check"],
                 connect=not options["no_connect"],
             )
+            rules = (
+                services.rules_load(tables=file.rules, check=options["check"])
+                if file.rules
+                else None
+            )
         except services.Invalid as error:
             for problem in (error.details or {}).get("problems", []):
                 self.stderr.write(self.style.ERROR(problem))
             raise CommandError(f"{path}: {error.message}") from None
+        if rules is not None:
+            self._say_rules(rules, check=options["check"])
         new_version = " (a new policy version: earlier approvals no longer hold)"
         for noun, done, names in (
             ("tool", "created", report.created),
@@ -116,3 +129,26 @@ class Command(BaseCommand):
             self.stdout.write(self.style.SUCCESS(f"{path}: valid; nothing was written"))
         else:
             self.stdout.write(self.style.SUCCESS(f"{path}: loaded"))
+
+    def _say_rules(self, rules: services.RulesLoaded, *, check: bool) -> None:
+        count = f"{len(rules.rules)} rule{'s' if len(rules.rules) != 1 else ''}"
+        if not rules.changed:
+            self.stdout.write(f"{count}: unchanged")
+            return
+        verb = "would replace" if check else "replaced"
+        self.stdout.write(
+            f"{count} {verb} the {rules.removed} before (a new policy version: approvals "
+            "given under the old rules no longer hold)"
+        )
+        for spec in rules.rules:
+            where = spec.workspace.slug if spec.workspace else "every workspace"
+            self.stdout.write(
+                f"  #{spec.position} {spec.tool} in {where}: {spec.action} when {spec.when}"
+            )
+            if spec.tool != "*" and find_tool(spec.tool) is None:
+                self.stdout.write(
+                    self.style.WARNING(
+                        f"  rule #{spec.position} names {spec.tool}, which is not a registered "
+                        "tool here: it applies once a tool of that name is"
+                    )
+                )
