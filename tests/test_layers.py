@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             r"executor\.ticketdesk",
             r"executor\.dispatch",
             r"executor\.redaction",
+            r"executor\.signed_webhook",
             r"executor\.logcontext",
             r"executor\.management(\.commands)?",
             r"console",

@@ -11,6 +11,7 @@ import hmac
 import json
 from collections.abc import Iterator
 from datetime import timedelta
+from io import StringIO
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -20,12 +21,14 @@ from aiosmtpd.controller import Controller
 from django.apps import apps
 from django.contrib.auth.models import User
 from django.core.management import call_command
+from django.core.management.base import SystemCheckError
 from django.db import connection, transaction
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from guardian.shortcuts import assign_perm, remove_perm
 
+from console.forms import PAUSED_RUNS
 from executor import dispatch, engine, notify, runs, services, signals, transitions, triggers
 from executor.models import (
     Agent,
@@ -39,6 +42,7 @@ from executor.models import (
     Workspace,
 )
 from executor.models import Tool as ToolRow
+from executor.selectors import InboxKind
 from executor.states import State
 from executor.tools.base import FailureClass, ToolError
 from tests.support import tooling
@@ -604,3 +608,109 @@ def test_an_email_subscriber_gets_one_digest_with_the_links(
     for step in steps:
         assert f"https://stepward.example.com/steps/{step.pk}/" in text
     assert f"https://stepward.example.com/?workspace={workspace.pk}&state=approval" in text
+
+
+# --- what a message says --------------------------------------------------------------------
+
+
+def test_the_events_are_the_inboxs_filters() -> None:
+    """Each event's name is a value of the inbox's `state` filter, so its link filters."""
+    assert set(NotifyKind.values) == {*InboxKind.values, PAUSED_RUNS}
+
+
+def test_a_digest_of_more_than_a_hundred_lists_a_hundred_and_counts_them_all(
+    agent: Agent, run: Run, workspace: Workspace, receiver: Receiver
+) -> None:
+    needing_approval(workspace)
+    subscribe(workspace, receiver.url)
+    post_many(agent, run, "test.write", 150)
+    runs.pause(run, reason="budget", actor="test")
+
+    sweep()
+
+    digest = verified(receiver.received()[0])
+    assert digest["count"] == 151
+    assert len(digest["items"]) == 100
+    assert digest["reason"] == ("151 items wait for a person: 150 awaiting approval, 1 paused run")
+    assert digest["tool"] is None  # a paused run among them
+    assert digest["console_url"] == f"https://stepward.example.com/?workspace={workspace.pk}"
+
+
+# --- settings -------------------------------------------------------------------------------
+
+
+def test_a_bad_notify_url_stops_startup_named_and_masked(settings: Any) -> None:
+    settings.NOTIFY_URLS = ["json://h.example/x", "slack://not-a-token"]
+
+    with pytest.raises(SystemCheckError) as refused:
+        call_command("check")
+
+    assert "NOTIFY_URLS entry 2 (slack://…): Apprise cannot send to this slack:// URL" in str(
+        refused.value
+    )
+    assert "not-a-token" not in str(refused.value)
+
+
+def test_a_webhook_without_a_signing_key_is_warned_of(settings: Any) -> None:
+    settings.NOTIFY_URLS = ["json://h.example/x"]
+    settings.NOTIFY_SIGNING_KEY = ""
+    out = StringIO()
+
+    call_command("check", stdout=out, stderr=out)
+
+    assert "NOTIFY_URLS entry 1 is a JSON webhook and NOTIFY_SIGNING_KEY is not set" in (
+        out.getvalue()
+    )
+
+
+def test_a_webhooks_password_and_header_values_are_masked() -> None:
+    url = "jsons://bot:hunter22@hooks.example.com:8443/in?+Authorization=Bearer%20abc123xyz"
+
+    shown = notify.masked(url)
+
+    assert shown == "jsons://bot:****@hooks.example.com:8443/in +Authorization=****"
+
+
+# --- keeping --------------------------------------------------------------------------------
+
+
+def test_old_messages_and_their_records_are_deleted_pending_ones_kept(
+    agent: Agent, run: Run, workspace: Workspace, receiver: Receiver, settings: Any
+) -> None:
+    settings.NOTIFY_KEEP_DAYS = 30
+    needing_approval(workspace)
+    subscribe(workspace, receiver.url)
+    start = timezone.now()
+    post(agent, run, "test.write")
+    sweep(start)
+    receiver.stop()
+    post(agent, run, "test.write")
+    sweep(start + timedelta(days=1))  # fails: kept pending
+    assert NotifyDelivery.objects.filter(status=DeliveryStatus.PENDING).count() == 1
+
+    report = sweep(start + timedelta(days=31))
+
+    assert report.pruned >= 2  # the sent message, its link and its notification
+    [kept] = NotifyDelivery.objects.all()
+    assert kept.status == DeliveryStatus.PENDING
+    assert Notification.objects.count() == 1
+    assert kept.notifications.count() == 1
+
+
+def test_admin_pages_of_a_message_and_a_subscription_open(
+    owner: User, agent: Agent, run: Run, workspace: Workspace, receiver: Receiver
+) -> None:
+    subscription = subscribe(workspace, receiver.url)
+    needing_approval(workspace)
+    step = post(agent, run, "test.write")
+    sweep()
+    desk = Client()
+    desk.force_login(owner)
+
+    delivery = NotifyDelivery.objects.get()
+    assert desk.get(f"/admin/executor/notifydelivery/{delivery.pk}/change/").status_code == 200
+    page = desk.get(f"/admin/executor/notifysubscription/{subscription.pk}/change/")
+    assert page.status_code == 200
+    listed = desk.get(f"/admin/executor/notification/?deliveries__id__exact={delivery.pk}")
+    assert listed.status_code == 200
+    assert f"/admin/executor/step/{step.pk}/change/".encode() in listed.content
