@@ -287,7 +287,17 @@ def test_a_single_item_is_sent_as_itself_with_the_contracts_fields(
 
     sweep()
 
-    body = verified(receiver.wait_for(1)[0])
+    [request] = receiver.wait_for(1)
+    body = verified(request)
+    # The five lines docs/notifications.md gives receivers say the same.
+    docs = (Path(__file__).parents[2] / "docs" / "notifications.md").read_text()
+    snippet = docs.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict[str, Any] = {}
+    exec(snippet, namespace)
+    signature = request["headers"]["X-Stepward-Signature"]
+    assert namespace["verified"](request["body"].encode(), signature, KEY) == body
+    with pytest.raises(ValueError, match="bad signature"):
+        namespace["verified"](request["body"].encode() + b" ", signature, KEY)
     assert {
         "event",
         "workspace",
