@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -46,7 +47,10 @@ logger = logging.getLogger(__name__)
 LEASE_NAME = "notify"
 # New notifications handed out, and deliveries sent, per pass (the next pass goes on).
 BATCH = 1000
+FAN_OUT_BATCHES = 20
 SEND_BATCH = 100
+# A pass stops starting new sends after this long (slow subscribers): the next pass goes on.
+SEND_SECONDS = 60.0
 # A message lists this many items; the rest are counted and reached through the inbox link.
 MAX_LISTED = 100
 TEXT_LISTED = 20
@@ -526,7 +530,10 @@ def send_due(*, now: datetime, send: Sender = apprise_send) -> SendReport:
         .filter(Q(next_attempt_at__isnull=True) | Q(next_attempt_at__lte=now))
         .order_by("send_after", "id")[:SEND_BATCH]
     )
+    started = time.monotonic()
     for delivery in due:
+        if time.monotonic() - started > SEND_SECONDS:
+            break
         url = url_of(delivery)
         if url is None:
             delivery.status = DeliveryStatus.FAILED
@@ -627,7 +634,7 @@ def notify_pass(
         return None
     try:
         handed_out = 0
-        while True:
+        for _ in range(FAN_OUT_BATCHES):
             done = fan_out(now=now)
             handed_out += done
             if done < BATCH:

@@ -129,6 +129,43 @@ def test_every_way_into_the_inbox_is_recorded_once(agent: Agent, run: Run) -> No
     assert Notification.objects.get(kind=NotifyKind.PAUSED).step_id is None
 
 
+def test_a_compensation_request_is_recorded_as_one(agent: Agent, run: Run, reviewer: User) -> None:
+    done = post(agent, run, "test.undoable")
+    assert engine.process(done.pk, worker="w1") == State.COMPLETED
+    done = reload(done)
+
+    undo = services.compensation_request(
+        step=done, user=reviewer, version=done.version, reason="wrong customer"
+    )
+
+    assert Notification.objects.get().kind == NotifyKind.COMPENSATION
+    assert Notification.objects.get().step_id == undo.pk
+
+
+@pytest.mark.parametrize(
+    ("state", "compensating", "kind"),
+    [
+        (State.DEAD, False, NotifyKind.DEAD),
+        (State.BLOCKED, False, NotifyKind.BLOCKED),
+        (State.FAILED, True, NotifyKind.FAILED_COMPENSATION),
+        (State.FAILED, False, None),
+        (State.CANCELLED, False, None),
+    ],
+)
+def test_the_database_records_each_waiting_state_whoever_writes_it(
+    agent: Agent, run: Run, state: State, compensating: bool, kind: str | None
+) -> None:
+    """The triggers see the row, not the code that wrote it: a plain UPDATE counts too."""
+    original = post(agent, run, "test.pure")
+    step = post(agent, run, "test.pure")
+    if compensating:
+        Step.objects.filter(pk=step.pk).update(compensates=original)
+
+    Step.objects.filter(pk=step.pk).update(state=state, failure_class="transient")
+
+    assert kinds() == ([kind] if kind else [])
+
+
 def test_a_move_rolled_back_leaves_no_notification(agent: Agent, run: Run) -> None:
     WriteTool.will(FailureClass.AMBIGUOUS)
     step = post(agent, run, "test.write")
