@@ -761,3 +761,33 @@ def test_admin_pages_of_a_message_and_a_subscription_open(
     listed = desk.get(f"/admin/executor/notification/?deliveries__id__exact={delivery.pk}")
     assert listed.status_code == 200
     assert f"/admin/executor/step/{step.pk}/change/".encode() in listed.content
+
+
+def test_retry_now_in_admin_sends_a_given_up_message_at_the_next_sweep(
+    owner: User, agent: Agent, run: Run, workspace: Workspace, tmp_path: Path, settings: Any
+) -> None:
+    settings.NOTIFY_MAX_ATTEMPTS = 1
+    later = Receiver(free_port(), tmp_path / "later.jsonl")
+    subscribe(workspace, later.url)
+    needing_approval(workspace)
+    post(agent, run, "test.write")
+    assert sweep().failed == 1
+    delivery = NotifyDelivery.objects.get()
+    assert delivery.status == DeliveryStatus.FAILED
+    desk = Client()
+    desk.force_login(owner)
+
+    answer = desk.post(
+        "/admin/executor/notifydelivery/",
+        {"action": "retry_now", "_selected_action": [delivery.pk]},
+    )
+
+    assert answer.status_code == 302
+    delivery.refresh_from_db()
+    assert (delivery.status, delivery.attempts) == (DeliveryStatus.PENDING, 0)
+    later.start()
+    try:
+        assert sweep().sent == 1
+        assert len(later.received()) == 1
+    finally:
+        later.stop()
