@@ -597,6 +597,11 @@ def test_admin_refuses_a_url_apprise_cannot_send_to(owner: User, workspace: Work
     assert refused.status_code == 200
     assert b"Apprise cannot send to this nope:// URL" in refused.content
 
+    bad_kinds = {**form, "url": "jsons://h.example/x", "kinds": '["approval", "nope"]'}
+    refused = desk.post("/admin/executor/notifysubscription/add/", bad_kinds)
+    assert refused.status_code == 200
+    assert b"a list of kinds among approval, compensation" in refused.content
+
     for url in ("mailtos://bob:pw@mail.example.com?to=desk@example.com", "jsons://h.example/x"):
         added = desk.post("/admin/executor/notifysubscription/add/", {**form, "url": url})
         assert added.status_code == 302, added.content
