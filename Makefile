@@ -64,10 +64,11 @@ secret-key:
 	  echo "made a secret key for this machine: $(KEY_FILE)"; \
 	fi
 
+# `up` checks its ports, then migrates the database, then starts everything.
 .PHONY: run
 run: install secret-key
 	@if [ -z "$${SECRET_KEY:-}" ]; then export SECRET_KEY_FILE="$${SECRET_KEY_FILE:-$(KEY_FILE)}"; fi; \
-	set -x; $(PY) manage.py migrate --no-input && $(PY) manage.py up
+	set -x; $(PY) manage.py up
 
 # mypy's Django plugin and makemigrations load the settings: a throwaway key for them.
 .PHONY: lint

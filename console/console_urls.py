@@ -10,7 +10,12 @@ urlpatterns = [
     path("", views.inbox, name="inbox"),
     path("nav/counts/", views.nav_counts, name="nav_counts"),
     path("deadletters/replay/", views.deadletters_replay, name="deadletters_replay"),
+    path("steps/bulk/", views.steps_bulk_decide, name="steps_bulk_decide"),
+    path("decisions/", views.decisions_list, name="decisions"),
     path("steps/<uuid:pk>/", views.step_page, name="step"),
+    path("steps/<uuid:pk>/live/", views.step_live, name="step_live"),
+    path("steps/<uuid:pk>/claim/", views.step_claim, name="step_claim"),
+    path("steps/<uuid:pk>/release/", views.step_release, name="step_release"),
     path("steps/<uuid:pk>/decisions/", views.step_decisions, name="step_decisions"),
     path("steps/<uuid:pk>/timeline/", views.step_timeline, name="step_timeline"),
     # Every decision of executor/decisions.py, by its name.

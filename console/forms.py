@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable
-from datetime import timedelta
+from datetime import UTC, date, datetime, time, timedelta
 from typing import Any
 
 from django import forms
 from django.core.exceptions import ValidationError
 
 from executor.models import RunStatus, Workspace
-from executor.selectors import InboxKind
+from executor.selectors import DecisionKind, InboxKind, InboxSort
 
 REASON_REQUIRED = "Give a reason: it is recorded with your decision."
 PAGE_SIZE = 25
@@ -84,6 +84,15 @@ class BulkReplayForm(forms.Form):
     next = forms.CharField(required=False, widget=forms.HiddenInput)
 
 
+class BulkDecideForm(forms.Form):
+    """One decision (approve or reject) and one reason for every checked step."""
+
+    steps = StepVersionsField(error_messages={"required": "Select at least one step."})
+    reason = DecisionForm.base_fields["reason"]
+    decision = forms.ChoiceField(choices=[("approve", "Approve"), ("reject", "Reject")])
+    next = forms.CharField(required=False, widget=forms.HiddenInput)
+
+
 def _page_size(value: str) -> int:
     try:
         size = int(value)
@@ -100,6 +109,7 @@ class ListForm(forms.Form):
         label="Workspace", coerce=int, required=False, empty_value=None
     )
     after = forms.CharField(required=False, widget=forms.HiddenInput)
+    before = forms.CharField(required=False, widget=forms.HiddenInput)
     size = forms.CharField(required=False, widget=forms.HiddenInput)
 
     def __init__(self, data: Any, *, workspaces: Iterable[Workspace], **kwargs: Any) -> None:
@@ -114,6 +124,15 @@ class ListForm(forms.Form):
 
     def page_size(self) -> int:
         return _page_size(self.data.get("size", ""))
+
+    def page_number(self) -> int:
+        """The page's number as the links that led here counted it (1 on a first page)."""
+        if not (self.data.get("after") or self.data.get("before")):
+            return 1
+        try:
+            return max(1, min(1_000_000, int(self.data.get("page", ""))))
+        except (TypeError, ValueError):
+            return 1
 
 
 class InboxFilterForm(ListForm):
@@ -133,7 +152,15 @@ class InboxFilterForm(ListForm):
             ("7d", "Older than 7 days"),
         ],
     )
-    field_order = ["workspace", "state", "tool", "age", "after", "size"]
+    q = forms.CharField(
+        label="Search",
+        required=False,
+        max_length=200,
+        strip=True,
+        help_text="A key, an operation or step id, an external id, a tool, words of the summary",
+    )
+    sort = forms.ChoiceField(label="Sort", required=False, choices=InboxSort.choices)
+    field_order = ["q", "workspace", "state", "tool", "age", "sort", "after", "size"]
 
     def __init__(
         self, data: Any, *, workspaces: Iterable[Workspace], tools: Iterable[str], **kwargs: Any
@@ -146,9 +173,81 @@ class InboxFilterForm(ListForm):
     def older_than(self) -> timedelta | None:
         return AGES.get(self.value("age") or "")
 
+    def search(self) -> str:
+        # Too long to be anything a step holds: searched as its first 200 characters.
+        return (self.value("q") or str(self.data.get("q", ""))[:200]).strip()
+
 
 class RunFilterForm(ListForm):
     status = forms.ChoiceField(
         label="Status", required=False, choices=[("", "Any status"), *RunStatus.choices]
     )
     field_order = ["workspace", "status", "after", "size"]
+
+
+# Days a decisions filter can name: a wider range is a typo (or a probe), and its bounds
+# would not fit a datetime (9999-12-31 plus one day).
+FIRST_YEAR, LAST_YEAR = 2000, 2999
+
+
+class DayField(forms.DateField):
+    """A day (YYYY-MM-DD) within FIRST_YEAR and LAST_YEAR."""
+
+    def validate(self, value: Any) -> None:
+        super().validate(value)
+        if value and not FIRST_YEAR <= value.year <= LAST_YEAR:
+            raise ValidationError(
+                f"{value:%Y-%m-%d} is not a day between {FIRST_YEAR} and {LAST_YEAR}",
+                code="out_of_range",
+            )
+
+
+class DecisionFilterForm(ListForm):
+    """The decisions page's filters. A bad day is reported, and ignored on the page."""
+
+    person = forms.ChoiceField(label="Person", required=False)
+    tool = forms.ChoiceField(label="Tool", required=False)
+    kind = forms.ChoiceField(
+        label="Decision", required=False, choices=[("", "Any decision"), *DecisionKind.choices]
+    )
+    since = DayField(label="From", required=False, widget=forms.DateInput(attrs={"type": "date"}))
+    until = DayField(
+        label="To (inclusive)", required=False, widget=forms.DateInput(attrs={"type": "date"})
+    )
+    field_order = ["workspace", "person", "tool", "kind", "since", "until", "after", "size"]
+
+    def __init__(
+        self,
+        data: Any,
+        *,
+        workspaces: Iterable[Workspace],
+        people: Iterable[str],
+        tools: Iterable[str],
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(data, workspaces=workspaces, **kwargs)
+        person = self.fields["person"]
+        tool = self.fields["tool"]
+        assert isinstance(person, forms.ChoiceField)
+        assert isinstance(tool, forms.ChoiceField)
+        person.choices = [("", "Everyone"), *((name, name) for name in people)]
+        tool.choices = [("", "All tools"), *((name, name) for name in tools)]
+
+    def problems(self) -> list[str]:
+        """What in the query was not understood, as a person reads it ("until: …")."""
+        self.is_valid()
+        return [
+            f"{self.fields[name].label or name}: {message}"
+            for name, messages in self.errors.items()
+            if name in ("since", "until", "person", "tool", "kind")
+            for message in messages
+        ]
+
+    def bounds(self) -> tuple[datetime | None, datetime | None]:
+        """The days as times: from the start of `since` to the end of `until` (UTC)."""
+        since: date | None = self.value("since")
+        until: date | None = self.value("until")
+        return (
+            datetime.combine(since, time.min, tzinfo=UTC) if since else None,
+            datetime.combine(until, time.min, tzinfo=UTC) + timedelta(days=1) if until else None,
+        )

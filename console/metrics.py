@@ -1,4 +1,5 @@
-"""`GET /metrics`: the ledger in Prometheus text format (API.md "For operators: metrics")."""
+"""`GET /metrics`: the ledger in Prometheus text format, or OpenMetrics when the scraper's
+`Accept` asks for it (API.md "For operators: metrics")."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 from django.utils.crypto import constant_time_compare
 from django.views.decorators.http import require_GET
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
 
 from executor.metrics import LedgerCollector
 
@@ -23,4 +25,7 @@ def metrics(request: HttpRequest) -> HttpResponse:
         return response
     registry = CollectorRegistry(auto_describe=False)
     registry.register(LedgerCollector())
-    return HttpResponse(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
+    encode, content_type = choose_encoder(request.headers.get("Accept", ""))
+    response = HttpResponse(encode(registry), content_type=content_type)
+    response["Vary"] = "Accept"
+    return response

@@ -72,10 +72,12 @@ def secret_key() -> str:
     if DEBUG:
         return DEVELOPMENT_SECRET_KEY
     raise ImproperlyConfigured(
-        "SECRET_KEY is not set (or is the public development key) and DEBUG is off. Set "
-        "SECRET_KEY, or SECRET_KEY_FILE to a file holding it, to a long random value "
-        "(python -c 'import secrets; print(secrets.token_urlsafe(50))'); `make run` makes "
-        "one in var/secret.key. DEBUG=1 allows the development key on a development machine."
+        "SECRET_KEY is not set (or is the public development key) and DEBUG is off, and "
+        f"there is no {MACHINE_KEY_FILE}. Run `make run` once (it makes that file, which every "
+        "command then reads by itself), or set SECRET_KEY, or SECRET_KEY_FILE to a file "
+        "holding it, to a long random value (python -c 'import secrets; "
+        "print(secrets.token_urlsafe(50))'). DEBUG=1 allows the development key on a "
+        "development machine."
     )
 
 
@@ -212,6 +214,8 @@ AUTHENTICATION_BACKENDS = [
     "axes.backends.AxesStandaloneBackend",
     "django.contrib.auth.backends.ModelBackend",
     "guardian.backends.ObjectPermissionBackend",
+    # Inert until OIDC_RP_CLIENT_ID is set (console/signin.py).
+    "console.signin.CompanySignInBackend",
 ]
 # guardian's anonymous user is not used: every console page requires a login.
 ANONYMOUS_USER_NAME = None
@@ -237,6 +241,39 @@ WHITENOISE_AUTOREFRESH = DEBUG
 LOGIN_URL = "/accounts/login/"
 LOGIN_REDIRECT_URL = "/"
 LOGOUT_REDIRECT_URL = "login"
+
+# --- company sign-in (OpenID Connect, docs/sign-in.md) ------------------------------------
+# On when OIDC_RP_CLIENT_ID is set: the sign-in page offers "Sign in with OIDC_PROVIDER_NAME".
+# Endpoints come from the issuer's discovery document unless set one by one.
+OIDC_ISSUER = os.environ.get("OIDC_ISSUER", "").strip().rstrip("/")
+OIDC_RP_CLIENT_ID = os.environ.get("OIDC_RP_CLIENT_ID", "").strip()
+OIDC_RP_CLIENT_SECRET = os.environ.get("OIDC_RP_CLIENT_SECRET", "")
+if not OIDC_RP_CLIENT_SECRET and os.environ.get("OIDC_RP_CLIENT_SECRET_FILE"):
+    try:
+        OIDC_RP_CLIENT_SECRET = Path(os.environ["OIDC_RP_CLIENT_SECRET_FILE"]).read_text().strip()
+    except OSError as error:
+        raise ImproperlyConfigured(
+            f"OIDC_RP_CLIENT_SECRET_FILE={os.environ['OIDC_RP_CLIENT_SECRET_FILE']} cannot be "
+            f"read: {error}"
+        ) from error
+OIDC_PROVIDER_NAME = os.environ.get("OIDC_PROVIDER_NAME", "your company account")
+OIDC_OP_AUTHORIZATION_ENDPOINT = os.environ.get("OIDC_OP_AUTHORIZATION_ENDPOINT", "")
+OIDC_OP_TOKEN_ENDPOINT = os.environ.get("OIDC_OP_TOKEN_ENDPOINT", "")
+OIDC_OP_USER_ENDPOINT = os.environ.get("OIDC_OP_USER_ENDPOINT", "")
+OIDC_OP_JWKS_ENDPOINT = os.environ.get("OIDC_OP_JWKS_ENDPOINT", "")
+OIDC_RP_SIGN_ALGO = os.environ.get("OIDC_RP_SIGN_ALGO", "RS256")
+OIDC_RP_SCOPES = os.environ.get("OIDC_RP_SCOPES", "openid email profile")
+# The claim (in the ID token or the userinfo answer) that lists the person's groups.
+OIDC_GROUPS_CLAIM = os.environ.get("OIDC_GROUPS_CLAIM", "groups")
+OIDC_USE_PKCE = env_bool("OIDC_USE_PKCE", True)
+OIDC_TIMEOUT = env_int("OIDC_TIMEOUT", 10)
+# A session begun at the provider lasts this long; the next sign-in re-syncs the roles.
+OIDC_SESSION_SECONDS = env_int("OIDC_SESSION_SECONDS", 8 * 3600)
+if OIDC_RP_CLIENT_ID and not OIDC_ISSUER:
+    raise ImproperlyConfigured(
+        "OIDC_RP_CLIENT_ID is set but OIDC_ISSUER is not: set it to the provider's issuer "
+        "(e.g. https://sso.example.com/realms/acme); docs/sign-in.md has examples."
+    )
 
 # --- sign-in throttling (django-axes), for the console's and the admin's sign-in -------------
 AXES_ENABLED = env_bool("AXES_ENABLED", True)
@@ -352,8 +389,21 @@ EXECUTOR_ALLOW_FAULTS = env_bool("EXECUTOR_ALLOW_FAULTS", False)
 EXECUTOR_FAULTS = os.environ.get("EXECUTOR_FAULTS", "")
 EXECUTOR_SWEEP_SECONDS = float(os.environ.get("EXECUTOR_SWEEP_SECONDS", "5"))
 # What `http.get` may read: `host` (on the scheme's default port) or `host:port`. Empty by
-# default: an agent's step reaches nothing that was not named here.
-EXECUTOR_HTTP_ALLOWED_HOSTS = env_list("EXECUTOR_HTTP_ALLOWED_HOSTS", "")
+# default (with a database server or a broker server set): an agent's step reaches nothing
+# that was not named here. The embedded setup (`make run`: SQLite and the embedded broker)
+# allows the ticket desk it starts, 127.0.0.1:TICKETDESK_PORT, so that the tools files of the
+# docs load and run as written; setting the variable (even to nothing) decides otherwise.
+EMBEDDED = not DATABASE_URL and os.environ.get("CELERY_BROKER_URL", "filesystem://").startswith(
+    ("filesystem://", "stepwardfs://")
+)
+EXECUTOR_HTTP_ALLOWED_HOSTS = env_list(
+    "EXECUTOR_HTTP_ALLOWED_HOSTS",
+    f"127.0.0.1:{env_int('TICKETDESK_PORT', 8765)}" if EMBEDDED else "",
+)
+if EMBEDDED:
+    # The demo desk takes any bearer token; the docs' desk tools send ${DESK_TOKEN}. A
+    # deployment's tools read their secrets from its own environment, never a default.
+    os.environ.setdefault("DESK_TOKEN", "demo-desk-accepts-any-token")
 # `http.get` stops reading a response after this many bytes (its result says it was cut).
 EXECUTOR_HTTP_MAX_RESPONSE_BYTES = env_int("EXECUTOR_HTTP_MAX_RESPONSE_BYTES", 1024 * 1024)
 # Where `manage.py up` serves the console and API (`up --port` overrides it).
@@ -485,3 +535,9 @@ NOTIFY_RETRY_SECONDS = float(os.environ.get("NOTIFY_RETRY_SECONDS", "30"))
 NOTIFY_RETRY_MAX_SECONDS = float(os.environ.get("NOTIFY_RETRY_MAX_SECONDS", "3600"))
 # Sent and failed messages, and the notifications they held, are deleted after this long.
 NOTIFY_KEEP_DAYS = env_int("NOTIFY_KEEP_DAYS", 30)
+
+# --- the review desk (docs/reviewers.md) ------------------------------------------------
+# A reviewer's claim on an item ("being handled by …") lapses after this many minutes.
+REVIEW_CLAIM_MINUTES = env_int("REVIEW_CLAIM_MINUTES", 15)
+# How often an open step page asks whether someone else decided or claimed it (seconds).
+CONSOLE_LIVE_SECONDS = env_int("CONSOLE_LIVE_SECONDS", 3)

@@ -5,6 +5,7 @@ from django.urls import include, path
 
 from console.metrics import metrics
 from console.security import PasswordResetView
+from console.signin import SignInCallback, SignInPage, SignInStart
 from executor.api import api
 from executor.mcp_server import mcp_http
 
@@ -15,6 +16,10 @@ urlpatterns = [
     path("mcp", mcp_http, name="mcp"),
     # Before Django's own: the same URL and name, rate-limited.
     path("accounts/password_reset/", PasswordResetView.as_view(), name="password_reset"),
+    # Before Django's own: the same page, offering company sign-in when it is on.
+    path("accounts/login/", SignInPage.as_view(), name="login"),
+    path("accounts/oidc/start/", SignInStart.as_view(), name="oidc_authentication_init"),
+    path("accounts/oidc/callback/", SignInCallback.as_view(), name="oidc_authentication_callback"),
     path("accounts/", include("django.contrib.auth.urls")),
     path("", include("console.console_urls")),
 ]

@@ -28,6 +28,7 @@ from executor import notify, policy, services
 from executor.gateway import config as gateway_config
 from executor.ledger import verify_chain
 from executor.models import (
+    ROLE_PERMISSIONS,
     Agent,
     Approval,
     Attempt,
@@ -40,12 +41,15 @@ from executor.models import (
     NotifyDelivery,
     NotifySubscription,
     Run,
+    SignInIdentity,
+    SignInRole,
     Step,
     Tool,
     ToolPolicy,
     Workspace,
 )
 from executor.redaction import redact
+from executor.services.signin import sign_in_role_save
 from executor.states import NEEDS_REVIEW
 from executor.tools import http as http_tools
 from executor.tools.base import all_tools, find_tool
@@ -963,6 +967,54 @@ class DrillReportAdmin(ReadOnlyAdmin):
     @admin.display(description="counts")
     def pretty_counts(self, report: DrillReport) -> str:
         return pretty_json(report.counts)
+
+
+# --- company sign-in (docs/sign-in.md) --------------------------------------------------
+
+
+@admin.register(SignInRole)
+class SignInRoleAdmin(admin.ModelAdmin):
+    """An identity provider group → a role in a workspace. Members of the group get the role
+    at their next sign-in and lose it at the first sign-in without the group; a change or a
+    deletion here applies at once to everyone who holds the role."""
+
+    list_display = ["idp_group", "workspace", "role", "members", "created_at"]
+    list_select_related = ["workspace"]
+    list_filter = ["role", "workspace"]
+    search_fields = ["idp_group", "workspace__slug"]
+    autocomplete_fields = ["workspace"]
+    fields = ["workspace", "idp_group", "role", "permissions", "members"]
+    readonly_fields = ["permissions", "members"]
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[SignInRole]:
+        return super().get_queryset(request).annotate(member_count=Count("group__user"))
+
+    @admin.display(description="permissions on the workspace")
+    def permissions(self, obj: SignInRole) -> str:
+        return ", ".join(ROLE_PERMISSIONS.get(obj.role, ())) or "-"
+
+    @admin.display(description="members now")
+    def members(self, obj: SignInRole) -> int:
+        count = getattr(obj, "member_count", None)
+        if count is None:
+            count = obj.group.user_set.count() if obj.group_id else 0
+        return count
+
+    def save_model(self, request: HttpRequest, obj: SignInRole, form: Any, change: bool) -> None:
+        sign_in_role_save(role=obj)
+
+
+@admin.register(SignInIdentity)
+class SignInIdentityAdmin(admin.ModelAdmin):
+    """Who a user is at the identity provider. Made at a first sign-in; add one by hand to let
+    an existing account sign in through the provider (its issuer and subject, the `sub`)."""
+
+    list_display = ["user", "subject", "issuer", "last_sign_in_at"]
+    search_fields = ["user__username", "subject", "user__email"]
+    list_filter = ["issuer"]
+    autocomplete_fields = ["user"]
+    fields = ["user", "issuer", "subject", "idp_groups", "created_at", "last_sign_in_at"]
+    readonly_fields = ["idp_groups", "created_at", "last_sign_in_at"]
 
 
 # --- notifications (docs/notifications.md) ---------------------------------------------------

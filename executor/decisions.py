@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.contrib.auth.models import User
+from django.db.models import TextChoices
 
 from executor import services
 from executor.models import Step
@@ -241,3 +242,76 @@ def offered(step: Step, tool: ToolInfo) -> tuple[list[Decision], list[str]]:
     if not decisions and not notes:
         notes.append(f"Nothing to decide while the step is {step.state}.")
     return decisions, notes
+
+
+# --- many steps, one decision (the inbox's bulk approve and reject) -----------------------
+
+
+class BulkOutcome(TextChoices):
+    """What one step of a bulk decision came to. Only APPROVED and REJECTED are decided."""
+
+    APPROVED = "approved", "approved"
+    REJECTED = "rejected", "rejected"
+    WAITING = "waiting", "waiting for a second approver"
+    REFUSED = "refused", "refused by a rule"
+    STALE = "stale", "already decided or changed"
+    NOT_PERMITTED = "not_permitted", "not permitted"
+    INVALID = "invalid", "not decided"
+
+
+# The decisions a reviewer may take on many steps at once.
+BULK = ("approve", "reject")
+
+
+@dataclass(frozen=True)
+class BulkResult:
+    step: Step
+    outcome: BulkOutcome
+    # What the service said, as it said it (its notice, or why it refused).
+    message: str
+
+    @property
+    def landed(self) -> bool:
+        return self.outcome in (BulkOutcome.APPROVED, BulkOutcome.REJECTED)
+
+
+def _outcome_after(name: str, state: str) -> BulkOutcome:
+    """What the step's state after the service acted says the decision came to: an
+    approval that left the step planned waits for another approver; one that ended it
+    (rejected, failed, cancelled) was refused by a rule. Never counted as approved."""
+    if name == "reject":
+        return BulkOutcome.REJECTED if state == State.REJECTED else BulkOutcome.REFUSED
+    if state == State.PLANNED:
+        return BulkOutcome.WAITING
+    if state in (State.REJECTED, State.FAILED, State.CANCELLED):
+        return BulkOutcome.REFUSED
+    return BulkOutcome.APPROVED
+
+
+def decide_many(
+    *, name: str, steps: list[tuple[Step, int]], user: User, reason: str
+) -> list[BulkResult]:
+    """Takes decision `name` on each step at the version the reviewer saw, each on its own:
+    its own permission, four eyes, rules and version check, in its own transaction. One
+    refusal stops nothing else; each step's result is reported as the service gave it."""
+    decision = BY_NAME[name]
+    results = []
+    for step, version in steps:
+        data = {"version": version, "reason": reason}
+        try:
+            notice = decision.act(step, user, data)
+        except services.NotPermitted as error:
+            results.append(BulkResult(step, BulkOutcome.NOT_PERMITTED, error.message))
+            continue
+        except services.AlreadyHandled as error:
+            results.append(BulkResult(step, BulkOutcome.STALE, error.message))
+            continue
+        except services.Invalid as error:
+            results.append(BulkResult(step, BulkOutcome.INVALID, error.message))
+            continue
+        except services.ServiceError as error:
+            results.append(BulkResult(step, BulkOutcome.REFUSED, error.message))
+            continue
+        state = Step.objects.filter(pk=step.pk).values_list("state", flat=True).get()
+        results.append(BulkResult(step, _outcome_after(name, state), notice))
+    return results

@@ -36,6 +36,7 @@ from executor.models import Agent, Run, RunStatus, Step, call_hash
 from executor.redaction import Redactor, redact
 from executor.schemas import storable_json, storable_text
 from executor.selectors import ToolInfo
+from executor.services.runs import MCP_RUN_KEY, MCP_RUN_KEYS
 from executor.states import IN_FLIGHT, REPORT_SECTIONS, State
 from executor.tools.base import Effect, find_tool
 
@@ -51,8 +52,9 @@ MAX_KEY_LENGTH = 200
 # The most steps of each section a run_report answer lists (the latest ones).
 REPORT_ENTRIES = 50
 
-# Every call of an agent that names no run goes into this run of that agent's (API.md).
-MCP_RUN_KEY = "stepward-mcp"
+# Every call of an agent that names no run goes into this run of that agent's (API.md): one
+# per agent, made race-free by the unique (agent, key) of runs; the key is reserved (an
+# agent's own runs may not take it). After a person cancels it: `stepward-mcp-2`, …
 MCP_RUN_NAME = "MCP calls"
 DERIVED_KEY_PREFIX = "mcp-auto-"
 
@@ -340,18 +342,27 @@ def call_run(agent: Agent, run_id: Any) -> Run:
     if latest is not None and latest.status != RunStatus.CANCELLED:
         return latest
     # The first, or the next after a cancelled one: numbered, so that two calls making it
-    # at once make one (a run's key is unique per agent).
-    number = _mcp_runs(agent).count() + 1
+    # at once make one (a run's key is unique per agent); after the highest number, whatever
+    # runs were removed since.
+    keys = _mcp_runs(agent).values_list("key", flat=True)
+    number = max((_run_number(key) for key in keys), default=0) + 1
     run, _ = services.run_create(
         agent=agent,
         name=MCP_RUN_NAME if number == 1 else f"{MCP_RUN_NAME} ({number})",
         key=MCP_RUN_KEY if number == 1 else f"{MCP_RUN_KEY}-{number}",
+        mcp=True,
     )
     return run
 
 
+def _run_number(key: str) -> int:
+    """`stepward-mcp` → 1, `stepward-mcp-7` → 7."""
+    tail = key.removeprefix(MCP_RUN_KEY).removeprefix("-")
+    return int(tail) if tail else 1
+
+
 def _mcp_runs(agent: Agent) -> Any:
-    return Run.objects.filter(agent=agent, key__startswith=MCP_RUN_KEY).order_by("created_at")
+    return Run.objects.filter(agent=agent, key__regex=MCP_RUN_KEYS.pattern).order_by("created_at")
 
 
 def mcp_run(agent: Agent) -> Run | None:

@@ -688,7 +688,16 @@ class Event(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["step", "seq"], name="event_unique_seq"),
         ]
-        indexes = [models.Index(fields=["run", "created_at"], name="event_run_time")]
+        indexes = [
+            models.Index(fields=["run", "created_at"], name="event_run_time"),
+            # The decisions page: people's moves only, newest first. Partial, so the engine's
+            # own moves (nearly every event) cost it nothing.
+            models.Index(
+                fields=["created_at", "id"],
+                condition=Q(actor__startswith="user:"),
+                name="event_by_person",
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"{self.from_state or '∅'} → {self.to_state} by {self.actor}"
@@ -871,6 +880,97 @@ class RunEvent(models.Model):
         }
 
 
+# --- company sign-in (docs/sign-in.md) ----------------------------------------------------
+
+
+class WorkspaceRole(models.TextChoices):
+    """What a group of the company's identity provider may do in a workspace."""
+
+    REVIEWER = "reviewer", "Reviewer"
+    APPROVER = "approver", "Approver"
+    ADMIN = "admin", "Admin"
+
+
+# Each role holds the one before it. Reviewers triage (probe and resolve unknown outcomes);
+# approvers also let planned steps and compensations run; admins also replay dead letters and
+# extend budgets, which spend again. None of them is Django's staff: the admin site stays
+# with the people given it there.
+ROLE_PERMISSIONS: dict[str, tuple[str, ...]] = {
+    WorkspaceRole.REVIEWER: ("review_steps", "resolve_unknown"),
+    WorkspaceRole.APPROVER: (
+        "review_steps",
+        "resolve_unknown",
+        "approve_steps",
+        "approve_compensation",
+    ),
+    WorkspaceRole.ADMIN: REVIEWER_PERMISSIONS,
+}
+
+
+class SignInRole(models.Model):
+    """A group the identity provider names in its group claim, mapped to a role in a workspace.
+
+    Its members hold the role through `group`, a Django group this row owns and keeps
+    (executor/services/signin.py): membership is re-synced from the claim at every sign-in,
+    and the authorization recheck reads group grants like any other.
+    """
+
+    workspace = models.ForeignKey(Workspace, on_delete=models.CASCADE, related_name="sign_in_roles")
+    idp_group = models.CharField(
+        "identity provider group",
+        max_length=255,
+        help_text="The group's name (or id, for Entra ID) exactly as the group claim carries it.",
+    )
+    role = models.CharField(max_length=16, choices=WorkspaceRole.choices)
+    group = models.OneToOneField(
+        "auth.Group", on_delete=models.PROTECT, related_name="sign_in_role", editable=False
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["workspace", "idp_group"]
+        verbose_name = "sign-in group role"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["workspace", "idp_group"], name="signinrole_one_role_per_group"
+            ),
+            models.CheckConstraint(
+                condition=Q(role__in=WorkspaceRole.values), name="signinrole_role_known"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.idp_group} → {self.role} in {self.workspace}"
+
+
+class SignInIdentity(models.Model):
+    """Who a user is at the identity provider: its issuer and the subject it never reuses.
+
+    A user signed in through the provider is found by this pair, never by a username or an
+    email address, which a provider may let people choose or may give to someone else later.
+    """
+
+    user = models.OneToOneField(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="sign_in_identity"
+    )
+    issuer = models.CharField(max_length=255)
+    subject = models.CharField(max_length=255)
+    # What the group claim said at the last sign-in, for the admin's eyes only.
+    idp_groups = models.JSONField(default=list, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_sign_in_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["issuer", "subject"]
+        verbose_name_plural = "sign-in identities"
+        constraints = [
+            models.UniqueConstraint(fields=["issuer", "subject"], name="signinidentity_one_user"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.subject} at {self.issuer}"
+
+
 # --- notifications (API.md "Notifications") -------------------------------------------------
 
 
@@ -1011,3 +1111,71 @@ class NotifyDelivery(models.Model):
 
     def __str__(self) -> str:
         return f"{self.status} to {self.target}"
+
+
+class Counter(models.Model):
+    """A number the ledger keeps as it moves, for /metrics (API.md "For operators:
+    metrics"): written only by the database's triggers on steps and attempts (migration
+    0018), in the transaction of the write that moves it, never by this code.
+
+    Each database session adds to rows of its own (`shard`: its server process id; 0 on
+    SQLite, which has one writer at a time), so two workers never wait on one row; the
+    sweeper folds the rows of sessions that have ended into shard 0 (executor/counters.py).
+    A metric's value is the sum of its rows. `label_a` and `label_b` are its labels' values,
+    in the order docs/metrics.md gives them ("" when it has fewer)."""
+
+    name = models.CharField(max_length=40)
+    label_a = models.CharField(max_length=200, blank=True)
+    label_b = models.CharField(max_length=200, blank=True)
+    shard = models.IntegerField(default=0)
+    value = models.FloatField(default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["name", "label_a", "label_b", "shard"], name="counter_unique"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name}{{{self.label_a},{self.label_b}}}@{self.shard} = {self.value:g}"
+
+
+class RunStepCount(models.Model):
+    """How many of a run's steps are in each state, kept like `Counter` (same triggers,
+    same shards): the runs list reads its page's counts without reading their steps."""
+
+    # Not a foreign key: derived numbers, not part of the ledger (nothing protects them).
+    run_id = models.UUIDField()
+    state = models.CharField(max_length=20)
+    shard = models.IntegerField(default=0)
+    count = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["run_id", "state", "shard"], name="runstepcount_unique")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.run_id} {self.state}@{self.shard} = {self.count}"
+
+
+class StepClaim(models.Model):
+    """A reviewer's "I am on it" for a waiting step: shown to the others, never a lock.
+
+    Decisions stay checked by the step's version alone; a claim only tells the team who
+    works the item, until it expires (CONSOLE_CLAIM_MINUTES) or is released.
+    """
+
+    step = models.OneToOneField(
+        Step, on_delete=models.CASCADE, primary_key=True, related_name="claim"
+    )
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    claimed_at = models.DateTimeField()
+    expires_at = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"{self.step_id} claimed by {self.user_id} until {self.expires_at:%H:%M}"
+
+    def held(self, now: datetime) -> bool:
+        return self.expires_at > now

@@ -230,9 +230,16 @@ def workspace_facts(workspace_id: int, tools: Iterable[str]) -> Facts:
 def approval_problem(
     step: Step, tool: ToolContract, approval: Approval | None, now: datetime, facts: Facts
 ) -> str:
-    """Why the live approval does not authorize this exact call, or "" when it does."""
+    """Why the live approval does not authorize this exact call, or "" when it does.
+
+    A step the policy approved has no approval row (its Event records the policy version):
+    without a live approval, the call goes only if the policy, asked again now, needs no
+    person for it, so a policy made stricter since still stops it.
+    """
     if approval is None:
-        return "no valid approval"
+        if needs_person(step, tool, facts):
+            return "no valid approval"
+        return ""
     if approval.input_hash != step.input_hash or approval.tool != step.tool_id:
         return "the approval does not match this call"
     if approval.policy_version != facts.approval_version(step.run.workspace_id, tool):
@@ -251,6 +258,12 @@ def approval_problem(
         ):
             return f"the approver {approver.get_username()} no longer holds {permission}"
     return ""
+
+
+def needs_person(step: Step, tool: ToolContract, facts: Facts) -> bool:
+    """Whether a person must approve this step's call: every compensation, and what the
+    workspace's policy (or else the tool's declaration) says of the call."""
+    return bool(step.compensates_id) or facts.needs_person(step.run.workspace_id, tool, step.input)
 
 
 def decide(step: Step, tool: ToolContract, facts: Facts, *, now: datetime) -> Decision:

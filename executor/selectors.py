@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import base64
 import functools
+import re
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -17,7 +19,19 @@ from django.db.models import Count, Model, Q, QuerySet, Sum, TextChoices
 from django.utils import timezone
 
 from executor import policy
-from executor.models import Agent, Attempt, Event, Run, RunStatus, Step, Tool, Workspace
+from executor.models import (
+    Agent,
+    Attempt,
+    Event,
+    Run,
+    RunStatus,
+    Step,
+    StepClaim,
+    Tool,
+    Workspace,
+    WorkspaceGroupObjectPermission,
+    WorkspaceUserObjectPermission,
+)
 from executor.redaction import redact
 from executor.states import CONFIRMED, ENDED_WITHOUT_EFFECT, INBOX, REPORT_SECTIONS, State
 from executor.tools.base import Tool as ToolContract
@@ -327,14 +341,18 @@ def inbox_kind_of(step: Step) -> str:
 
 @dataclass(frozen=True)
 class Cursor:
-    """A keyset position (time, id): opaque in URLs, so `+` in an ISO offset survives."""
+    """A keyset position (time, id[, the sort's own value]): opaque in URLs, so `+` in an
+    ISO offset survives. `pk` is a step's UUID, or an event's number."""
 
     at: datetime
     pk: str
+    value: str | None = None
 
     def encode(self) -> str:
-        raw = f"{self.at.isoformat()}|{self.pk}".encode()
-        return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+        text = f"{self.at.isoformat()}|{self.pk}"
+        if self.value is not None:
+            text += f"|{self.value}"
+        return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
 
     @classmethod
     def decode(cls, text: str) -> Cursor | None:
@@ -343,14 +361,74 @@ class Cursor:
             return None
         try:
             raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode()
-            at_text, pk_text = raw.split("|", 1)
+            at_text, pk_text, *rest = raw.split("|", 2)
             at = datetime.fromisoformat(at_text)
-            pk = str(uuid.UUID(pk_text))
+            pk = pk_text if pk_text.isdigit() else str(uuid.UUID(pk_text))
         except (ValueError, UnicodeDecodeError):
             return None
         if at.tzinfo is None:
             return None
-        return cls(at=at, pk=pk)
+        return cls(at=at, pk=pk, value=rest[0] if rest else None)
+
+
+def _keyset(order: list[str], values: list[Any], *, forward: bool) -> Q:
+    """Rows after `values` in `order` (fields, "-" for descending), or before them when not
+    `forward`: (a, b, c) > (x, y, z) spelled as the ORM can, field by field."""
+    condition = Q()
+    equal = Q()
+    for name, value in zip(order, values, strict=True):
+        field = name.lstrip("-")
+        greater = (not name.startswith("-")) == forward
+        condition |= equal & Q(**{f"{field}__{'gt' if greater else 'lt'}": value})
+        equal &= Q(**{field: value})
+    return condition
+
+
+def _reversed_order(order: list[str]) -> list[str]:
+    return [name[1:] if name.startswith("-") else f"-{name}" for name in order]
+
+
+@dataclass(frozen=True)
+class Page[T]:
+    """One page of a keyset-paged list and the cursors either side of it."""
+
+    rows: list[T]
+    next: Cursor | None
+    previous: Cursor | None
+
+
+def _keyset_page[T: Model](
+    rows: QuerySet[T],
+    *,
+    order: list[str],
+    cursor_of: Any,
+    values_of: Any,
+    after: Cursor | None,
+    before: Cursor | None,
+    size: int,
+) -> Page[T]:
+    """A page after `after` (or before `before`) of `rows` in `order`, in size + 1 rows read."""
+    if before is not None:
+        found = list(
+            rows.filter(_keyset(order, values_of(before), forward=False)).order_by(
+                *_reversed_order(order)
+            )[: size + 1]
+        )
+        more_before = len(found) > size
+        found = list(reversed(found[:size]))
+        if not found:
+            return Page([], None, None)
+        return Page(found, cursor_of(found[-1]), cursor_of(found[0]) if more_before else None)
+    if after is not None:
+        rows = rows.filter(_keyset(order, values_of(after), forward=True))
+    found = list(rows.order_by(*order)[: size + 1])
+    more_after = len(found) > size
+    found = found[:size]
+    return Page(
+        found,
+        cursor_of(found[-1]) if more_after else None,
+        cursor_of(found[0]) if after is not None and found else None,
+    )
 
 
 @dataclass(frozen=True)
@@ -360,6 +438,8 @@ class InboxFilter:
     tool: str = ""
     kind: str = ""
     older_than: timedelta | None = None
+    # Free text: a key, an operation or step id, an external id, a tool, summary words.
+    search: str = ""
 
     def narrowing(self, now: datetime) -> Q:
         """Everything but the kind and the visibility, as one condition."""
@@ -370,7 +450,50 @@ class InboxFilter:
             condition &= Q(tool_id=self.tool)
         if self.older_than is not None:
             condition &= Q(state_since__lt=now - self.older_than)
+        if self.search:
+            condition &= inbox_search(self.search)
         return condition
+
+
+# Hex digits and dashes, long enough to be the start of an id someone copied.
+_ID_PART = re.compile(r"[0-9a-fA-F-]{8,36}")
+
+
+def inbox_search(text: str) -> Q:
+    """Steps whose key, external id, tool or summary holds `text`; a whole UUID also finds
+    the step of that id or operation id, and a piece of one its operation id."""
+    text = text.strip()
+    try:
+        exact = uuid.UUID(text)
+    except ValueError:
+        exact = None
+    if exact is not None:
+        return Q(pk=exact) | Q(operation_id=exact)
+    condition = (
+        Q(key__icontains=text)
+        | Q(external_id__icontains=text)
+        | Q(tool_id__icontains=text)
+        | Q(input_summary__icontains=text)
+    )
+    if _ID_PART.fullmatch(text):
+        condition |= Q(operation_id__icontains=text)
+    return condition
+
+
+class InboxSort(TextChoices):
+    OLDEST = "oldest", "Longest waiting first"
+    NEWEST = "newest", "Newest first"
+    TOOL = "tool", "Tool, then longest waiting"
+    KEY = "key", "Step key"
+
+
+# Each sort's keyset: a leading field of its own (or none), then waiting since, then id.
+INBOX_ORDER: dict[str, list[str]] = {
+    InboxSort.OLDEST: ["state_since", "pk"],
+    InboxSort.NEWEST: ["-state_since", "-pk"],
+    InboxSort.TOOL: ["tool_id", "state_since", "pk"],
+    InboxSort.KEY: ["key", "state_since", "pk"],
+}
 
 
 def _inbox_visible(workspace_ids: tuple[int, ...]) -> QuerySet[Step]:
@@ -398,30 +521,46 @@ def inbox_counts(*, inbox: InboxFilter, now: datetime | None = None) -> dict[str
 
 
 def inbox_page(
-    *, inbox: InboxFilter, after: Cursor | None = None, size: int = 25, now: datetime | None = None
-) -> tuple[list[Step], Cursor | None]:
-    """One page of waiting steps, longest waiting first, and the cursor of the next page.
+    *,
+    inbox: InboxFilter,
+    after: Cursor | None = None,
+    before: Cursor | None = None,
+    size: int = 25,
+    sort: str = InboxSort.OLDEST,
+    now: datetime | None = None,
+) -> Page[Step]:
+    """One page of waiting steps in the `sort` order (longest waiting first by default),
+    with the cursors of the pages after and before it, and each step's claim.
 
-    Keyset on (state_since, id), so a page costs the same wherever it is and a reviewer's
-    place holds while new steps arrive.
+    Keyset on (the sort's field, state_since, id), so a page costs the same wherever it is
+    and a reviewer's place holds while new steps arrive.
     """
     now = now or timezone.now()
+    order = INBOX_ORDER.get(sort, INBOX_ORDER[InboxSort.OLDEST])
+    lead = order[0].lstrip("-") if len(order) == 3 else None
     steps = _inbox_visible(inbox.workspace_ids).filter(inbox.narrowing(now))
     if inbox.kind:
         steps = steps.filter(INBOX_KIND_Q[inbox.kind])
-    if after is not None:
-        steps = steps.filter(
-            Q(state_since__gt=after.at) | Q(state_since=after.at, pk__gt=uuid.UUID(after.pk))
-        )
-    rows = list(
-        steps.select_related("run", "run__workspace")
-        .defer("input", "result", "run__pause_reason")
-        .order_by("state_since", "pk")[: size + 1]
+
+    def cursor_of(step: Step) -> Cursor:
+        value = str(getattr(step, lead)) if lead else None
+        return Cursor(at=step.state_since, pk=str(step.pk), value=value)
+
+    def values_of(cursor: Cursor) -> list[Any]:
+        values: list[Any] = [cursor.at, uuid.UUID(cursor.pk)]
+        return [cursor.value or "", *values] if lead else values
+
+    return _keyset_page(
+        steps.select_related("run", "run__workspace", "claim", "claim__user").defer(
+            "input", "result", "run__pause_reason"
+        ),
+        order=order,
+        cursor_of=cursor_of,
+        values_of=values_of,
+        after=after if after is not None and not after.pk.isdigit() else None,
+        before=before if before is not None and not before.pk.isdigit() else None,
+        size=size,
     )
-    if len(rows) <= size:
-        return rows, None
-    last = rows[size - 1]
-    return rows[:size], Cursor(at=last.state_since, pk=str(last.pk))
 
 
 def paused_runs(
@@ -575,14 +714,46 @@ class TimelineEntry:
     at: datetime
     event: Event | None = None
     attempt: Attempt | None = None
+    # A run of failed attempts of one kind, with the engine's moves between them.
+    group: list[TimelineEntry] | None = None
 
     @property
     def kind(self) -> str:
+        if self.group is not None:
+            return "group"
         return "event" if self.event is not None else "attempt"
+
+    @property
+    def attempts(self) -> list[Attempt]:
+        return [e.attempt for e in self.group or () if e.attempt is not None]
+
+    @property
+    def first_number(self) -> int:
+        return self.attempts[0].number
+
+    @property
+    def last_number(self) -> int:
+        return self.attempts[-1].number
+
+    @property
+    def error(self) -> tuple[str, str]:
+        """The group's error class, and the message of its last attempt."""
+        last = self.attempts[-1]
+        return last.error_class, last.error_message
+
+    @property
+    def last_at(self) -> datetime:
+        assert self.group
+        return self.group[-1].at
+
+
+# Fewer failed attempts in a row than this stay as they are.
+GROUP_FROM = 2
 
 
 def step_timeline(*, step: Step) -> list[TimelineEntry]:
-    """The step's Events and Attempts merged by time, in two queries.
+    """The step's Events and Attempts merged by time, in two queries, with repeated failed
+    attempts of one kind folded into one entry ("attempts 2 to 5 failed: transient …").
 
     An attempt sits at its claim; the claim's event (pending → running) is written in the
     same transaction, so at equal times the event comes first.
@@ -596,7 +767,223 @@ def step_timeline(*, step: Step) -> list[TimelineEntry]:
         assert entry.attempt is not None
         return (entry.at, 1, entry.attempt.number)
 
-    return sorted(entries, key=order)
+    return group_retries(sorted(entries, key=order))
+
+
+def _failed_kind(entry: TimelineEntry) -> str | None:
+    attempt = entry.attempt
+    if attempt is not None and attempt.phase == "errored" and attempt.error_class:
+        return attempt.error_class
+    return None
+
+
+def _retry_move(entry: TimelineEntry) -> bool:
+    """An engine's move of a retry: taken (pending → running) or put back (→ pending)."""
+    event = entry.event
+    return (
+        event is not None
+        and not event.actor.startswith("user:")
+        and (event.from_state, event.to_state)
+        in (("pending", "running"), ("running", "pending"), ("approved", "pending"))
+    )
+
+
+def group_retries(entries: list[TimelineEntry]) -> list[TimelineEntry]:
+    """Folds each run of failed attempts with the same error class (and the engine's retry
+    moves among them) into one group entry; everything else stays where it was."""
+    answer: list[TimelineEntry] = []
+    run: list[TimelineEntry] = []
+    kind: str | None = None
+
+    def flush() -> None:
+        # The moves after the group's last attempt belong to what follows it.
+        last = max((i for i, e in enumerate(run) if e.attempt is not None), default=-1)
+        body, rest = run[: last + 1], run[last + 1 :]
+        failed = [e for e in body if e.attempt is not None]
+        if len(failed) >= GROUP_FROM:
+            # The move that took the first attempt stays outside: it is when retrying began.
+            answer.append(TimelineEntry(at=body[0].at, group=body))
+        else:
+            answer.extend(body)
+        answer.extend(rest)
+        run.clear()
+
+    for entry in entries:
+        failed = _failed_kind(entry)
+        if failed is not None and (kind is None or failed == kind):
+            kind = failed
+            run.append(entry)
+        elif failed is None and kind is not None and _retry_move(entry):
+            run.append(entry)
+        else:
+            if run:
+                flush()
+            kind = failed
+            if failed is not None:
+                run.append(entry)
+            else:
+                answer.append(entry)
+    if run:
+        flush()
+    return answer
+
+
+# --- the desk: claims and the decisions page ----------------------------------------------
+
+
+def step_claim_held(*, step: Step, now: datetime | None = None) -> StepClaim | None:
+    """The step's claim while it holds, else None."""
+    now = now or timezone.now()
+    return StepClaim.objects.select_related("user").filter(step=step, expires_at__gt=now).first()
+
+
+class DecisionKind(TextChoices):
+    APPROVED = "approved", "Approved"
+    REJECTED = "rejected", "Rejected"
+    RESOLVED = "resolved", "Resolved an unknown outcome"
+    REPLAYED = "replayed", "Replayed"
+    RESUMED = "resumed", "Resumed"
+    COMPENSATION = "compensation", "Requested a compensation"
+    OTHER = "other", "Other"
+
+
+DECISION_KIND_Q: dict[str, Q] = {
+    DecisionKind.APPROVED: Q(to_state=State.APPROVED),
+    DecisionKind.REJECTED: Q(to_state=State.REJECTED),
+    DecisionKind.RESOLVED: Q(from_state=State.UNKNOWN),
+    DecisionKind.REPLAYED: Q(from_state__in=(State.DEAD, State.FAILED), to_state=State.PENDING),
+    DecisionKind.RESUMED: Q(from_state=State.BLOCKED, to_state=State.PENDING),
+    DecisionKind.COMPENSATION: Q(from_state=""),
+}
+DECISION_KIND_Q[DecisionKind.OTHER] = ~functools.reduce(
+    lambda a, b: a | b, DECISION_KIND_Q.values()
+)
+# A person's moves: the partial index `event_by_person` holds exactly these.
+BY_PERSON = Q(actor__startswith="user:")
+
+
+def decision_kind_of(event: Event) -> str:
+    if event.to_state == State.APPROVED:
+        return DecisionKind.APPROVED
+    if event.to_state == State.REJECTED:
+        return DecisionKind.REJECTED
+    if event.from_state == State.UNKNOWN:
+        return DecisionKind.RESOLVED
+    if event.from_state in (State.DEAD, State.FAILED) and event.to_state == State.PENDING:
+        return DecisionKind.REPLAYED
+    if event.from_state == State.BLOCKED and event.to_state == State.PENDING:
+        return DecisionKind.RESUMED
+    if not event.from_state:
+        return DecisionKind.COMPENSATION
+    return DecisionKind.OTHER
+
+
+@dataclass(frozen=True)
+class DecisionFilter:
+    workspace_ids: tuple[int, ...]
+    person: str = ""
+    tool: str = ""
+    kind: str = ""
+    # Times, not dates: the caller turns a day into its bounds (and refuses what is not one).
+    since: datetime | None = None
+    until: datetime | None = None
+
+    def events(self) -> QuerySet[Event]:
+        events = Event.objects.filter(BY_PERSON, run__workspace_id__in=self.workspace_ids)
+        if self.person:
+            events = events.filter(actor=f"user:{self.person}")
+        if self.tool:
+            events = events.filter(step__tool_id=self.tool)
+        if self.kind in DECISION_KIND_Q:
+            events = events.filter(DECISION_KIND_Q[self.kind])
+        if self.since is not None:
+            events = events.filter(created_at__gte=self.since)
+        if self.until is not None:
+            events = events.filter(created_at__lt=self.until)
+        return events
+
+
+DECISION_ORDER = ["-created_at", "-id"]
+
+
+def _decision_rows(decisions: DecisionFilter) -> QuerySet[Event]:
+    return (
+        decisions.events()
+        .select_related("step", "run", "run__workspace")
+        .only(
+            "id",
+            "seq",
+            "from_state",
+            "to_state",
+            "actor",
+            "reason",
+            "data",
+            "created_at",
+            "step__id",
+            "step__key",
+            "step__tool_id",
+            "step__run_id",
+            "run__id",
+            "run__name",
+            "run__workspace__slug",
+        )
+    )
+
+
+def _decision_cursor(event: Event) -> Cursor:
+    return Cursor(at=event.created_at, pk=str(event.pk))
+
+
+def _decision_values(cursor: Cursor) -> list[Any]:
+    return [cursor.at, int(cursor.pk)] if cursor.pk.isdigit() else [cursor.at, -1]
+
+
+def decisions_page(
+    *,
+    decisions: DecisionFilter,
+    after: Cursor | None = None,
+    before: Cursor | None = None,
+    size: int = 50,
+) -> Page[Event]:
+    """People's decisions, newest first: who moved which step, from what to what, and why."""
+    return _keyset_page(
+        _decision_rows(decisions),
+        order=DECISION_ORDER,
+        cursor_of=_decision_cursor,
+        values_of=_decision_values,
+        after=after if after is not None and after.pk.isdigit() else None,
+        before=before if before is not None and before.pk.isdigit() else None,
+        size=size,
+    )
+
+
+def decisions_count(*, decisions: DecisionFilter) -> int:
+    return decisions.events().count()
+
+
+def decisions_chunks(*, decisions: DecisionFilter, chunk: int = 1000) -> Iterator[list[Event]]:
+    """Every decision under the filter, newest first, `chunk` rows a query (keyset): what a
+    CSV export streams without holding the whole list."""
+    after: Cursor | None = None
+    while True:
+        page = decisions_page(decisions=decisions, after=after, size=chunk)
+        if page.rows:
+            yield page.rows
+        if page.next is None:
+            return
+        after = page.next
+
+
+def decision_people(*, workspace_ids: tuple[int, ...]) -> list[str]:
+    """Who may review in these workspaces, by name (the filter's choices): one query."""
+    holders = WorkspaceUserObjectPermission.objects.filter(
+        content_object_id__in=workspace_ids, permission__codename="review_steps"
+    ).values("user_id")
+    groups = WorkspaceGroupObjectPermission.objects.filter(
+        content_object_id__in=workspace_ids, permission__codename="review_steps"
+    ).values("group_id")
+    users = get_user_model().objects.filter(Q(pk__in=holders) | Q(groups__in=groups))
+    return list(users.distinct().order_by("username").values_list("username", flat=True))
 
 
 def runs_page(

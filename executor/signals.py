@@ -1,5 +1,5 @@
-"""Keeps the Tool table in step with the registry after every migrate, puts back the
-notification triggers, and checks NOTIFY_URLS."""
+"""Keeps the Tool table in step with the registry and puts back the notification triggers
+after every migrate, removes a deleted sign-in role's group, and checks NOTIFY_URLS."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 from django.conf import settings
 from django.core import checks
-from django.db.models.signals import post_migrate
+from django.db.models.signals import post_delete, post_migrate
 from django.dispatch import receiver
 
 
@@ -18,6 +18,14 @@ def sync_tools_after_migrate(sender: Any, **kwargs: Any) -> None:
     from executor.services import tools_sync
 
     tools_sync(using=kwargs.get("using", "default"))
+
+
+@receiver(post_delete, sender="executor.SignInRole")
+def delete_role_group(sender: Any, instance: Any, **kwargs: Any) -> None:
+    """A mapping removed in the admin takes its role from everyone who held it, at once."""
+    from django.contrib.auth.models import Group
+
+    Group.objects.filter(pk=instance.group_id).delete()
 
 
 @receiver(post_migrate)

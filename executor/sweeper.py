@@ -16,7 +16,17 @@ from django.db import IntegrityError, transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
-from executor import dispatch, engine, ledger, notify, policy, progress, recovery, services
+from executor import (
+    counters,
+    dispatch,
+    engine,
+    ledger,
+    notify,
+    policy,
+    progress,
+    recovery,
+    services,
+)
 from executor.models import Run, RunStatus, Step, SweeperLease
 from executor.states import State
 
@@ -36,6 +46,7 @@ class SweepReport:
     cancelled: int = 0
     checkpoints: int = 0
     notified: int = 0  # messages sent (docs/notifications.md)
+    counters_folded: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -174,6 +185,9 @@ def sweep_once(*, owner: str) -> SweepReport:
     every = timedelta(seconds=settings.EXECUTOR_CHECKPOINT_SECONDS)
     if ledger.checkpoint_due(every=every, now=now) and ledger.checkpoint_take(now=now):
         report.checkpoints += 1
+
+    # The counters' rows of database sessions that have ended, folded into one row each.
+    report.counters_folded += counters.fold()
 
     if any(asdict(report).values()):
         logger.info("sweep: %s", report.as_dict())

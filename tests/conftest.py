@@ -30,9 +30,12 @@ HEAVY = (
     "tests/executor/test_web_server.py",
     "tests/executor/test_gateway.py",
     "tests/executor/test_drill.py",
+    # A real OpenID Connect provider in a process of its own.
+    "tests/console/test_company_sign_in.py",
 )
 EMBEDDED = (
     "tests/recovery/test_up.py",
+    "tests/recovery/test_operator_commands.py",
     "tests/recovery/test_messages.py",
     "tests/recovery/test_crash_points.py",
     "tests/executor/test_event_loop_serving.py",

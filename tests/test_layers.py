@@ -79,7 +79,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             r"executor\.management\.commands\.\w+",
         ],
     ),
-    ("console", [r"console\.(views|forms|urls|console_urls|metrics)"]),
+    ("console", [r"console\.(views|forms|urls|console_urls|metrics|signin)"]),
 ]
 
 # What the console may use of the executor: the services and selectors above the engine.

@@ -10,7 +10,7 @@ from django import template
 from django.utils import timezone
 from django.utils.html import format_html
 
-from executor.redaction import redact
+from executor.redaction import redact, redact_text
 
 register = template.Library()
 
@@ -34,13 +34,28 @@ def relative(value: datetime, now: datetime | None = None) -> str:
 
 @register.simple_tag
 def timestamp(value: datetime | None) -> str:
-    """A <time> that reads relative and names the absolute UTC time in its title."""
+    """A <time> that reads relative and names the absolute UTC time in its title, with the
+    absolute time beside it (a team compares times across screens and shifts)."""
     if value is None:
         return "—"
-    absolute = value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    utc = value.astimezone(UTC)
+    absolute = utc.strftime("%Y-%m-%d %H:%M:%S UTC")
     return format_html(
-        '<time datetime="{}" title="{}">{}</time>', value.isoformat(), absolute, relative(value)
+        '<time datetime="{}" title="{}">{}</time> <span class="abs-time">{}</span>',
+        value.isoformat(),
+        absolute,
+        relative(value),
+        utc.strftime("%Y-%m-%d %H:%M UTC"),
     )
+
+
+@register.filter
+def redacted(value: Any) -> str:
+    """Free text (a reason, a failure message, a summary) with anything shaped like a
+    secret replaced (DESIGN.md §15): every page shows people's words through this."""
+    if value is None:
+        return ""
+    return redact_text(str(value))
 
 
 @register.filter

@@ -181,7 +181,7 @@ def check_invariants(
             if attempt.submitted_at is None:
                 continue
             submitted += 1
-            if not _authorized(step, attempt, approvals[step.pk]):
+            if not _authorized(step, attempt, approvals[step.pk], events[step.pk]):
                 violations.append(
                     f"§13.5 {_label(step)}: attempt {attempt.number} was submitted at "
                     f"{attempt.submitted_at.isoformat()} without a valid approval of this call"
@@ -310,14 +310,31 @@ def _fence_violations(step: Step, attempts: list[Attempt], events: list[Event]) 
     return found
 
 
-def _authorized(step: Step, attempt: Attempt, approvals: list[Approval]) -> bool:
-    """An approval of this exact call was live when the attempt was submitted (§9)."""
+def _authorized(
+    step: Step, attempt: Attempt, approvals: list[Approval], events: list[Event]
+) -> bool:
+    """An approval of this exact call was live when the attempt was submitted (§9): a
+    person's (an Approval row), or the policy's (recorded by an Event, no row) for a call
+    that needs no person."""
     at = attempt.submitted_at
     assert at is not None
     try:
-        policy_version = get_tool(step.tool_id).policy_version()
+        tool = get_tool(step.tool_id)
     except LookupError:
         return False
+    policy_version = tool.policy_version()
+    if (
+        not step.compensates_id
+        and not tool.needs_approval(step.input)
+        and any(
+            event.actor == "policy"
+            and isinstance(event.data, dict)
+            and event.data.get("policy_version") == policy_version
+            and event.created_at <= at
+            for event in events
+        )
+    ):
+        return True
     return any(
         approval.input_hash == step.input_hash
         and approval.tool == step.tool_id

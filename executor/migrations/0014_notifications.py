@@ -21,7 +21,7 @@ def drop_triggers(apps, schema_editor):
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('executor', '0012_chain_covers_runs_approvals_attempts'),
+        ("executor", "0013_company_sign_in"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 

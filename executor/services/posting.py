@@ -10,10 +10,9 @@ from typing import Any
 from django.db import IntegrityError
 from django.utils import timezone
 
-from executor import bulk, dispatch, policy, seals, transitions
+from executor import dispatch, policy, transitions
 from executor.models import (
     Agent,
-    Approval,
     Run,
     RunStatus,
     Step,
@@ -143,8 +142,8 @@ def _steps_post_once(
     may = policy.Facts(grants=grants)
 
     steps: list[Step] = []
-    # Each new step, the policy's approval of it (None: a person must approve it), its history.
-    new: list[tuple[Step, Approval | None, list[transitions.Posted]]] = []
+    # Each new step and its history.
+    new: list[tuple[Step, list[transitions.Posted]]] = []
     seen: dict[str, Step] = {}
     now = timezone.now()
     actor = agent_actor(agent)
@@ -177,24 +176,18 @@ def _steps_post_once(
             depends_on=depends_on,
         )
         needs_person = may.needs_person(run.workspace_id, tool, request.input)
-        version = may.approval_version(run.workspace_id, tool)
-        approval = None if needs_person else policy_approval(step=step, version=version, now=now)
-        history = _posted_history(step, known, seen, approval=approval, actor=actor, now=now)
-        new.append((step, approval, history))
+        version = None if needs_person else may.approval_version(run.workspace_id, tool)
+        history = _posted_history(step, known, seen, policy_version=version, actor=actor, now=now)
+        new.append((step, history))
         steps.append(step)
         seen[request.key] = step
-    made = {step.pk for step, _, _ in new}
+    made = {step.pk for step, _ in new}
     created = [step.pk in made for step in steps]
     if not new:
         return steps, created
-    approvals = [approval for _, approval, _ in new if approval is not None]
     with transitions.for_insert_many():
-        transitions.insert_many(
-            [(step, history) for step, _, history in new],
-            now=now,
-            also=[bulk.Rows(Approval, approvals)],
-        )
-        dispatch.execute_many([step.pk for step, _, _ in new if step.state == State.PENDING])
+        transitions.insert_many(new, now=now)
+        dispatch.execute_many([step.pk for step, _ in new if step.state == State.PENDING])
     return steps, created
 
 
@@ -251,25 +244,19 @@ def _posted_history(
     known: dict[str, Step],
     seen: dict[str, Step],
     *,
-    approval: Approval | None,
+    policy_version: str | None,
     actor: str,
     now: datetime,
 ) -> list[transitions.Posted]:
     """The states a new step passes through as it is recorded, as separate moves would:
-    posted; approved by the policy (unless a person must approve it: no `approval`); pending
+    posted; approved by the policy (`policy_version`; None: a person must approve it); pending
     once its dependencies are completed, or cancelled if one never will be."""
     history = [transitions.Posted(State.PLANNED, actor, "posted by the agent")]
-    if approval is None:
+    if policy_version is None:
         return history
     history.append(
         transitions.Posted(
-            State.APPROVED,
-            "policy",
-            POLICY_APPROVES,
-            {
-                "policy_version": approval.policy_version,
-                "approval_digest": seals.digest_of_approval(approval),
-            },
+            State.APPROVED, "policy", POLICY_APPROVES, policy_approved(policy_version)
         )
     )
     states = {k: (known.get(k) or seen[k]).state for k in step.depends_on}
@@ -301,27 +288,24 @@ def _same_step_or_conflict(existing: Step, input_hash: str, depends_on: list[str
     )
 
 
-def policy_approval(*, step: Step, version: str, now: datetime) -> Approval:
-    """The record that the policy (`version`) approved this exact call: no person needed."""
-    return Approval(
-        step=step,
-        input_hash=step.input_hash,
-        tool=step.tool_id,
-        policy_version=version,
-        approver=None,
-        reason=POLICY_APPROVES,
-        approved_at=now,
-    )
+def policy_approved(version: str) -> dict[str, str]:
+    """What the Event that records the policy's approval of a call says: the policy version.
+
+    No Approval row is written for it (issue 25: one for every step, most of them needing no
+    person, was a sixth of the ledger). The Event, keyed and chained, is the record; each
+    claim decides again that the policy needs no person for this exact call, as it checked a
+    policy approval's version before (DESIGN.md §9).
+    """
+    return {"policy_version": version}
 
 
 POLICY_APPROVES = "the tool's policy needs no approval"
 
 
-def step_record_policy_approval(*, step: Step, now: datetime) -> Approval:
+def step_policy_approval(*, step: Step) -> dict[str, str]:
+    """The policy's approval of the step's call as it stands now (what its Event records)."""
     version = approval_rules(step).approval_version(step.run.workspace_id, get_tool(step.tool_id))
-    approval = policy_approval(step=step, version=version, now=now)
-    approval.save(force_insert=True)
-    return approval
+    return policy_approved(version)
 
 
 def approval_rules(step: Step) -> policy.Facts:

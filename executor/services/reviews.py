@@ -32,7 +32,7 @@ from executor.services.base import (
     require_reason,
     user_actor,
 )
-from executor.services.posting import approval_rules, step_needs_person, step_record_policy_approval
+from executor.services.posting import approval_rules, step_needs_person, step_policy_approval
 from executor.states import State
 from executor.tools.base import LookupOutcome, get_tool
 
@@ -296,16 +296,17 @@ def recorded(approval: Approval | None) -> dict[str, Any]:
     return {"approval": approval.pk, "approval_digest": seals.digest_of_approval(approval)}
 
 
-def _replay_approval(step: Step, *, user: User, reason: str, now: datetime) -> Approval | None:
-    """A replay is a new execution: it needs an approval of its own (None: it has one)."""
+def _replay_approval(step: Step, *, user: User, reason: str, now: datetime) -> dict[str, Any]:
+    """A replay is a new execution: it needs an approval of its own, a person's or the
+    policy's (recorded by the replay's Event). What that Event says of it."""
     if Approval.objects.filter(
         step=step, consumed_at__isnull=True, revoked_at__isnull=True
     ).exists():
-        return None
+        return {}
     if step.compensates_id or step_needs_person(step):
         require_perm(user, approval_permission(step), step.run.workspace)
-        return _approve(step, user=user, reason=reason, now=now)
-    return step_record_policy_approval(step=step, now=now)
+        return recorded(_approve(step, user=user, reason=reason, now=now))
+    return step_policy_approval(step=step)
 
 
 def deadletter_replay(*, step: Step, user: User, version: int, reason: str) -> Step:
@@ -320,7 +321,7 @@ def deadletter_replay(*, step: Step, user: User, version: int, reason: str) -> S
         raise Conflict("this step may have had an effect; it cannot be replayed")
     now = timezone.now()
     with transaction.atomic():
-        approval = _replay_approval(step, user=user, reason=reason, now=now)
+        approved = _replay_approval(step, user=user, reason=reason, now=now)
         _decide(
             step,
             State.PENDING,
@@ -333,7 +334,7 @@ def deadletter_replay(*, step: Step, user: User, version: int, reason: str) -> S
                 "failure_class": "",
                 "failure_message": "",
             },
-            data={"replayed_from": step.state, **recorded(approval)},
+            data={"replayed_from": step.state, **approved},
         )
         dispatch.execute(step.pk)
     return step

@@ -3,6 +3,7 @@ Status moves go through executor/runs.py."""
 
 from __future__ import annotations
 
+import re
 from datetime import datetime, timedelta
 from decimal import Decimal
 
@@ -32,6 +33,12 @@ from executor.services.base import (
 )
 from executor.states import CANCELLABLE, State
 
+# The keys of the runs the MCP server makes for each agent (executor/mcp.py): `stepward-mcp`,
+# then `stepward-mcp-2`… after a person cancels one. A run an agent creates may not take one,
+# or it could stand in for (or block) that agent's MCP run.
+MCP_RUN_KEY = "stepward-mcp"
+MCP_RUN_KEYS = re.compile(rf"^{MCP_RUN_KEY}(-[0-9]+)?$")
+
 
 def run_create(
     *,
@@ -41,10 +48,17 @@ def run_create(
     max_calls: int | None = None,
     max_cost: Decimal | None = None,
     deadline_seconds: float | None = None,
+    mcp: bool = False,
 ) -> tuple[Run, bool]:
-    """Creates a run, or returns the agent's existing run with the same `key` (created=False)."""
+    """Creates a run, or returns the agent's existing run with the same `key` (created=False).
+    Only the MCP server (`mcp=True`) makes runs with a key of its own (MCP_RUN_KEY…)."""
     if not agent.user.has_perm("executor.submit_steps", agent.workspace):
         raise NotPermitted("this agent may not submit work in its workspace")
+    if key is not None and MCP_RUN_KEYS.fullmatch(key) and not mcp:
+        raise Invalid(
+            f"run key {key!r} is reserved for the agent's MCP runs ({MCP_RUN_KEY!r}, "
+            f"{MCP_RUN_KEY + '-2'!r}, …); choose another key"
+        )
     request_hash = canonical_hash(
         {
             "name": name,

@@ -7,9 +7,12 @@ each table.
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from executor.tools.http import ENV_PLACEHOLDER
 
 KINDS = {"tool": "tools", "upstream": "upstreams"}
 
@@ -46,3 +49,38 @@ def read_tool_file(path: Path) -> ToolFile:
     if not any(found.values()):
         raise ToolFileError(f"{path}: no [[tool]] or [[upstream]] tables")
     return ToolFile(path=path, tools=found["tool"], upstreams=found["upstream"])
+
+
+# Where a table may read `${NAME}`: an HTTP tool's URLs and header values; an upstream's
+# command, folder, environment, URL and header values.
+PLACES = {
+    "tool": ("url", "lookup_url", "headers"),
+    "upstream": ("command", "cwd", "env", "url", "headers"),
+}
+
+
+def unset_variables(file: ToolFile, environ: Mapping[str, str]) -> list[str]:
+    """Each `${NAME}` the file's tables read that `environ` does not set, as a sentence
+    naming the variable, the tool or upstream and the field."""
+    problems: list[str] = []
+    for kind, tables in (("tool", file.tools), ("upstream", file.upstreams)):
+        for table in tables:
+            name = table.get("name") if isinstance(table.get("name"), str) else "(unnamed)"
+            for field in PLACES[kind]:
+                for variable in ENV_PLACEHOLDER.findall(_text(table.get(field))):
+                    problem = (
+                        f"{kind} {name}: ${{{variable}}} (in {field!r}) is not set in this "
+                        "environment"
+                    )
+                    if variable not in environ and problem not in problems:
+                        problems.append(problem)
+    return problems
+
+
+def _text(value: Any) -> str:
+    """A field's strings, joined: a table's values, a list's items, or the string."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list | tuple):
+        return " ".join(str(item) for item in value)
+    return value if isinstance(value, str) else ""

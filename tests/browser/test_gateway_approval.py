@@ -4,11 +4,15 @@ sees the exact call in the console and approves it there; it then happens once, 
 automatic path makes it happen again.
 
 The upstream runs as a child process of this test, started by the engine in this process;
-the repository is the test's own, so its commits are what the external system says.
+the repository is the test's own, so its commits are what the external system says. The
+same for an npm server (`@modelcontextprotocol/server-memory`, installed under tests/upstreams):
+its graph file is what the external system says.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,7 +33,7 @@ from tests.support.browser import (
     post,
 )
 from tests.support.tooling import run_every_automatic_path
-from tests.support.upstreams import GitRepo, Upstream, git_upstream_table
+from tests.support.upstreams import GitRepo, Upstream, git_upstream_table, node_server
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
@@ -141,3 +145,70 @@ def test_an_approval_gated_write_waits_is_approved_in_the_console_and_happens_on
     expect(attempt).to_contain_text("responded")
     attempt.get_by_text("Request evidence", exact=True).click()
     expect(attempt).to_contain_text('"upstream": "git"')
+
+
+# --- an npm server: @modelcontextprotocol/server-memory ---------------------------------------
+
+
+def memory_entities(graph: Path) -> list[str]:
+    if not graph.exists():
+        return []
+    return [
+        json.loads(line)["name"]
+        for line in graph.read_text().splitlines()
+        if json.loads(line).get("type") == "entity"
+    ]
+
+
+@pytest.mark.npm
+def test_an_npm_servers_write_waits_is_approved_in_the_console_and_happens_once(
+    bob_page: Page,
+    live_server: Any,
+    reviewer: User,
+    agent: Agent,
+    run: Run,
+    tmp_path: Path,
+    fresh_sessions: None,
+) -> None:
+    """The reference memory server (npm), its create_entities a write a person approves."""
+    graph = tmp_path / "memory.jsonl"
+    report = services.tools_load(
+        tables=[],
+        upstreams=[
+            {
+                "name": "memory",
+                "command": [node_server("mcp-server-memory")],
+                "env": {"MEMORY_FILE_PATH": str(graph)},
+                "trust_annotations": True,
+                "tools": {"create_entities": {"approval": "always"}},
+            }
+        ],
+    )
+    assert report.listed[0].error == ""
+    services.agent_set_tools(agent=agent, tools=None)
+    entity = {"name": "ada", "entityType": "person", "observations": ["wrote the first program"]}
+    step = post(agent, run, "memory.create_entities", "remember-ada", {"entities": [entity]})
+    assert step.state == State.PLANNED
+    run_every_automatic_path()
+    assert fresh(step).state == State.PLANNED
+    assert memory_entities(graph) == []
+
+    page = bob_page
+    open_page(page, live_server.url, f"/steps/{step.pk}/")
+    expect(page.get_by_test_id("step-state")).to_have_text("planned")
+    goes_to = page.get_by_test_id("goes-to")
+    expect(goes_to).to_contain_text("MCP upstream memory, its tool create_entities")
+    expect(goes_to).to_contain_text("mcp-server-memory")
+    expect(page.get_by_test_id("approving-input")).to_contain_text("wrote the first program")
+    decide(page, "decision-approve", "Approve this call", "Ada may be remembered.")
+    expect(page.get_by_test_id("decision-notice")).to_have_text("Approved.")
+    assert memory_entities(graph) == []
+
+    done = execute(step)
+    assert done.state == State.COMPLETED
+    assert done.result["structured"]["entities"][0]["name"] == "ada"
+    run_every_automatic_path()
+    assert fresh(step).state == State.COMPLETED
+    assert memory_entities(graph) == ["ada"]
+    open_page(page, live_server.url, f"/steps/{step.pk}/")
+    expect(page.get_by_test_id("step-state")).to_have_text("completed")

@@ -278,8 +278,13 @@ def test_dead_rows_carry_a_checkbox_with_their_version(
 ) -> None:
     page = read(inbox(bob))
     boxes = [a for t, a in page.elements if t == "input" and a.get("name") == "steps"]
-    assert [b["value"] for b in boxes] == pick(waiting["dead"])
-    assert all(b["form"] == "bulk-replay" for b in boxes)
+    replay = [b for b in boxes if b["form"] == "bulk-replay"]
+    assert [b["value"] for b in replay] == pick(waiting["dead"])
+    # The others are the approvals', for the bulk approve and reject.
+    assert {b["form"] for b in boxes} == {"bulk-replay", "bulk-decide"}
+    assert [b["value"] for b in boxes if b["form"] == "bulk-decide"] == pick(
+        waiting["approval"], waiting["compensation"]
+    )
     assert page.form("bulk-replay-form").buttons == ["Replay selected"]
 
 

@@ -71,7 +71,21 @@ def ledger(agent: Agent, run: Run) -> dict[type[Any], Any]:
         Step: step,
         Attempt: attempt,
         Event: Event.objects.filter(step=step).order_by("seq").first(),
-        Approval: Approval.objects.get(step=step),
+        # The policy approved the step (no row of its own): an approval of another step.
+        Approval: Approval.objects.create(
+            step=services.step_post(
+                agent=agent,
+                run=Run.objects.create(workspace=run.workspace, agent=agent, name="other"),
+                key="other",
+                tool_name="echo",
+                input={"message": "hi"},
+            )[0],
+            input_hash="0" * 64,
+            tool="echo",
+            policy_version="v1",
+            reason="looks right",
+            approved_at=timezone.now(),
+        ),
         DrillReport: drill,
     }
 

@@ -16,6 +16,7 @@ from executor import dispatch, engine, ledger, services
 from executor.models import Agent, Approval, Event, Run, Step, call_hash
 from executor.models import Tool as ToolRow
 from executor.states import State
+from executor.tools.base import get_tool
 from tests.support.api import ApiClient
 
 pytestmark = pytest.mark.django_db
@@ -89,8 +90,10 @@ def test_batch_steps_have_the_same_history_as_single_posts(
     )
     step = Step.objects.get(run=run, key="batched")
     assert step.version == 3
-    [approval] = step.approvals.all()
-    assert (approval.approver, approval.input_hash) == (None, step.input_hash)
+    # The policy's approval is the Event that records it (its version), not a row.
+    assert not step.approvals.exists()
+    approved = Event.objects.get(step=step, to_state=State.APPROVED)
+    assert approved.data == {"policy_version": get_tool("echo").policy_version()}
 
 
 def test_the_same_batch_again_answers_the_same_steps_and_writes_nothing(
@@ -388,9 +391,9 @@ def test_a_batchs_write_is_one_text_with_one_parameter_a_column_whatever_its_siz
 
 
 # The token, the run, the grants; then on PostgreSQL one statement that moves the run's step
-# counter and inserts the steps, their events and their approvals; elsewhere the counter,
+# counter and inserts the steps and their events; elsewhere the counter,
 # then an INSERT a table. A post that names a dependency reads the run's steps first.
-POST_STATEMENTS = {"postgresql": 4, "sqlite": 7}
+POST_STATEMENTS = {"postgresql": 4, "sqlite": 6}
 READING_THE_RUNS_STEPS = 1
 
 
@@ -425,7 +428,7 @@ def test_a_post_outside_a_transaction_is_one_write_statement_and_no_begin(
     step = Step.objects.get(run=run, key="counted")
     assert (step.position, step.state, step.version) == (2, State.PENDING, 3)
     assert Event.objects.filter(step=step).count() == 3
-    assert Approval.objects.filter(step=step, approver=None).count() == 1
+    assert not Approval.objects.filter(step=step).exists()
 
 
 @pytest.mark.django_db(transaction=True)

@@ -39,6 +39,7 @@ from tests.support.tooling import (
     ReadTool,
     WeakLookupTool,
     WriteTool,
+    approve_as,
     attempts,
     call_tool,
     expire_lease,
@@ -118,13 +119,23 @@ def test_write_step_goes_through_verifying_to_completed(agent: Agent, run: Run) 
     assert chain_problems(step) == []
 
 
-def test_completion_consumes_the_approval(agent: Agent, run: Run) -> None:
-    step = post(agent, run, "test.write")
+def test_completion_consumes_the_approval(agent: Agent, run: Run, reviewer: Any) -> None:
+    step = post(agent, run, "test.destructive")
+    approve_as(reviewer, step)
 
-    engine.process(step.pk, worker="w1")
+    assert engine.process(step.pk, worker="w1") == State.COMPLETED
 
     [approval] = step.approvals.all()
     assert approval.consumed_at is not None
+
+
+def test_a_step_the_policy_approves_runs_with_no_approval_row(agent: Agent, run: Run) -> None:
+    step = post(agent, run, "test.write")
+
+    assert engine.process(step.pk, worker="w1") == State.COMPLETED
+
+    assert not step.approvals.exists()
+    assert chain_problems(reload(step)) == []
 
 
 def test_step_becomes_pending_only_when_its_dependency_completes(agent: Agent, run: Run) -> None:

@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,11 +21,12 @@ from typing import Any
 import pytest
 from django.test import Client
 from django.urls import reverse
+from django.utils import timezone
 
-from executor import engine, services
+from executor import engine, mcp, services
 from executor.gateway.connections import Unreachable, gateway
 from executor.gateway.tools import target_for
-from executor.models import Agent, Attempt, McpUpstream, Run, Step
+from executor.models import Agent, Attempt, McpUpstream, Run, RunStatus, Step
 from executor.states import State
 from executor.tools.base import find_tool
 from executor.tools.files import read_tool_file
@@ -172,7 +174,13 @@ def test_an_error_the_upstream_answers_is_classified_and_not_retried(
 
 
 def test_a_write_whose_upstream_is_killed_mid_call_is_unknown_and_never_sent_again(
-    git: services.ToolsLoaded, agent: Agent, run: Run, up: Upstream, repo: GitRepo
+    git: services.ToolsLoaded,
+    agent: Agent,
+    run: Run,
+    up: Upstream,
+    repo: GitRepo,
+    client: Client,
+    reviewer: Any,
 ) -> None:
     step = commit(agent, run, repo, "killed while answering")
     up.set("slow")  # the hook holds the call after the commit
@@ -197,6 +205,17 @@ def test_a_write_whose_upstream_is_killed_mid_call_is_unknown_and_never_sent_aga
     run_every_automatic_path()
     assert reload(step).state == State.UNKNOWN
     assert repo.commits_with("killed while answering") == 1
+    # It waits in a reviewer's inbox, whose step page shows what was sent to which upstream
+    # and what the upstream said of itself.
+    client.force_login(reviewer)
+    inbox = client.get(reverse("inbox")).content.decode()
+    assert str(step.pk) in inbox
+    page = client.get(reverse("step", args=[step.pk])).content.decode()
+    assert "Request evidence" in page
+    assert "Response evidence" in page
+    assert "killed while answering" in page
+    assert "mcp-git" in page
+    assert "no answer came" in page
     # The next call starts the upstream again.
     after = commit(agent, run, repo, "after the restart")
     assert engine.process(after.pk) == State.COMPLETED
@@ -616,3 +635,178 @@ def test_a_write_to_an_http_upstream_that_restarted_or_is_down_is_unsent_not_unk
     everything.start()
     make_due(after_restart)
     assert engine.process(after_restart.pk) == State.COMPLETED
+
+
+# --- the whole contract, on an upstream's tools too ---------------------------------------
+
+
+def test_the_upstream_is_started_once_and_kept_warm_between_calls(
+    git: services.ToolsLoaded, agent: Agent, run: Run, up: Upstream, repo: GitRepo
+) -> None:
+    """One session per upstream per worker process, kept between calls: every start of the
+    upstream writes its pid, so the same pid after many calls means no new process."""
+    first = commit(agent, run, repo, "warm 0")
+    assert engine.process(first.pk) == State.COMPLETED
+    started = up.pid()
+    for number in range(1, 4):
+        step = commit(agent, run, repo, f"warm {number}")
+        assert engine.process(step.pk) == State.COMPLETED
+    read = post(agent, run, "git.git_status", input={"repo_path": str(repo.path)})
+    assert engine.process(read.pk) == State.COMPLETED
+
+    assert up.pid() == started
+    assert alive(started)
+    assert [repo.commits_with(f"warm {n}") for n in range(4)] == [1, 1, 1, 1]
+
+
+def test_a_runs_budget_stops_the_calls_to_the_upstream_beyond_it(
+    git: services.ToolsLoaded, agent: Agent, repo: GitRepo
+) -> None:
+    capped, _ = services.run_create(agent=agent, name="two commits at most", max_calls=2)
+    steps = [commit(agent, capped, repo, f"budgeted {n}") for n in range(4)]
+
+    engine.drain(worker="w1")
+    run_every_automatic_path()
+
+    fresh = Run.objects.get(pk=capped.pk)
+    assert (fresh.status, fresh.used_calls) == (RunStatus.PAUSED, 2)
+    assert sorted(reload(s).state for s in steps) == sorted(
+        [State.COMPLETED] * 2 + [State.PENDING] * 2
+    )
+    assert sum(repo.commits_with(f"budgeted {n}") for n in range(4)) == 2
+    # The steps beyond the budget were never sent: no attempt reached the upstream.
+    for step in steps:
+        if reload(step).state == State.PENDING:
+            assert not reload(step).attempts.exclude(request_evidence=None).exists()
+
+
+def test_a_redacted_field_reaches_the_upstream_and_no_surface_shows_it(
+    agent: Agent,
+    run: Run,
+    up: Upstream,
+    repo: GitRepo,
+    api: ApiClient,
+    reviewer: Any,
+    owner: Any,
+    fresh_sessions: None,
+) -> None:
+    from tests.executor.test_redaction import surfaces
+
+    load(agent, git_upstream_table(up, repo, tools={"git_commit": {"redact": ["message"]}}))
+    message = "Rotate the vault token 7f3c9e1a-never-shown"
+    step = commit(agent, run, repo, message)
+
+    assert engine.process(step.pk) == State.COMPLETED
+    # The upstream got the real message: it is the commit's.
+    assert repo.commits_with(message) == 1
+
+    shown = surfaces(api, run, [reload(step)], reviewer, owner)
+    leaked = [surface for surface, text in shown.items() if "7f3c9e1a" in text]
+    assert leaked == []
+    assert "committed" in shown[f"api: step {step.key}"].lower()
+    evidence = reload(step).attempts.get().request_evidence
+    assert evidence["upstream"] == "git"
+    assert "7f3c9e1a" not in json.dumps(evidence)
+
+
+def test_a_worker_whose_lease_was_taken_over_never_sends_the_write(
+    git: services.ToolsLoaded, agent: Agent, run: Run, repo: GitRepo
+) -> None:
+    step = commit(agent, run, repo, "fenced before sending")
+    claims = engine.claim(worker="A", writes=10).claims
+    assert [c.step.pk for c in claims] == [step.pk]
+    Step.objects.filter(pk=step.pk).update(fence=step.fence + 5)  # another worker's now
+
+    ready, stopped = engine.submit_many(claims, now=timezone.now())
+
+    assert ready == []
+    assert stopped == {step.pk: engine.Outcome.FENCED_OUT}
+    assert Attempt.objects.get(step=step, worker="A").fenced_out_write == "submitting"
+    assert repo.commits_with("fenced before sending") == 0
+
+
+def test_a_stale_workers_answer_from_the_upstream_is_refused_by_the_fence(
+    git: services.ToolsLoaded, agent: Agent, run: Run, up: Upstream, repo: GitRepo
+) -> None:
+    """The commit happened while another worker took the step over: the stale worker's
+    answer moves nothing (its evidence is kept on its attempt), and nothing sends it again."""
+    step = commit(agent, run, repo, "answered too late")
+    up.set("slow")  # the hook holds the call after the commit
+
+    def take_over_meanwhile() -> None:
+        up.wait_for("in-hook")
+        taken = Step.objects.get(pk=step.pk)
+        Step.objects.filter(pk=step.pk).update(fence=taken.fence + 5)
+        up.set("slow", on=False)
+
+    other = threading.Thread(target=take_over_meanwhile)
+    other.start()
+    ended = engine.process(step.pk, worker="A")
+    other.join()
+
+    assert ended == engine.Outcome.FENCED_OUT
+    after = reload(step)
+    assert after.state == State.RUNNING  # the other worker's to move, not A's
+    assert not after.events.filter(to_state=State.COMPLETED).exists()
+    attempt = after.attempts.get(worker="A")
+    assert attempt.fenced_out_write == "responded"
+    assert repo.commits_with("answered too late") == 1
+
+
+def test_each_call_tells_the_upstream_its_operation_step_and_fence(
+    agent: Agent, run: Run, tmp_path: Path, fresh_sessions: None
+) -> None:
+    """`_meta` on the call (API.md "MCP gateway"), for servers that deduplicate or fence:
+    read by a server built on the official SDK."""
+    recorded = tmp_path / "meta.jsonl"
+    report = load(
+        agent,
+        {
+            "name": "meta",
+            "command": [sys.executable, str(ROOT / "tests" / "upstreams" / "meta_server.py")],
+            "env": {"STEPWARD_META_FILE": str(recorded)},
+            "defaults": {"approval": "never", "effect": "write", "idempotency": "idempotent"},
+        },
+    )
+    assert [listed.error for listed in report.listed] == [""]
+    step = post(agent, run, "meta.record", input={"note": "hello"})
+
+    assert engine.process(step.pk) == State.COMPLETED
+
+    done = reload(step)
+    assert done.result["text"] == "recorded hello"
+    [line] = recorded.read_text().splitlines()
+    seen = json.loads(line)
+    assert seen["note"] == "hello"
+    assert seen["meta"]["stepward/operation_id"] == str(done.operation_id)
+    assert seen["meta"]["stepward/step_id"] == str(done.pk)
+    assert seen["meta"]["stepward/fence"] == done.attempts.get().fence
+
+
+def test_an_upstreams_tools_are_granted_per_agent_like_any_other(
+    agent: Agent, run: Run, up: Upstream, repo: GitRepo, api: ApiClient, fresh_sessions: None
+) -> None:
+    """A new upstream tool is usable by no agent until granted; this one gets git_status only,
+    and the commit is neither listed to it over MCP nor callable, by MCP or by the API."""
+    report = services.tools_load(tables=[], upstreams=[git_upstream_table(up, repo)])
+    assert [listed.error for listed in report.listed] == [""]
+    services.agent_set_tools(agent=agent, tools=["echo", "git.git_status"])
+
+    listed = {tool["name"]: tool for tool in api.get("/api/v1/tools").json()}
+    assert listed["git.git_status"]["usable"] is True
+    assert listed["git.git_commit"]["usable"] is False
+    session = mcp.Session(agent)
+    names = {spec.name for spec in mcp.tools_list(session)}
+    assert "git_git_status" in names
+    assert "git_git_commit" not in names
+
+    arguments = {"repo_path": str(repo.path), "message": "not granted"}
+    refused = mcp.tools_call(session, "git_git_commit", {**arguments, "key": "c"})
+    assert refused.is_error
+    assert refused.structured["error"] == "unknown_tool"
+    posted = api.post(
+        f"/api/v1/runs/{run.pk}/steps", {"key": "c", "tool": "git.git_commit", "input": arguments}
+    )
+    assert posted.status_code == 403, posted.content
+    assert not Step.objects.filter(tool_id="git.git_commit").exists()
+    assert repo.commits_with("not granted") == 0

@@ -104,12 +104,32 @@ def post_get(api: ApiClient, run: Run, url: str, key: str = "fetch") -> Any:
 # --- the allow-list ---------------------------------------------------------------------------
 
 
+def fresh_settings() -> dict[str, Any]:
+    return runpy.run_path(str(Path(django_settings.BASE_DIR) / "console" / "settings.py"))
+
+
 def test_the_allow_list_is_empty_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("EXECUTOR_HTTP_ALLOWED_HOSTS", raising=False)
+    monkeypatch.setenv("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/stepward")
 
-    fresh = runpy.run_path(str(Path(django_settings.BASE_DIR) / "console" / "settings.py"))
+    assert fresh_settings()["EXECUTOR_HTTP_ALLOWED_HOSTS"] == []
 
-    assert fresh["EXECUTOR_HTTP_ALLOWED_HOSTS"] == []
+
+def test_the_embedded_setup_allows_its_own_desk_and_nothing_else(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in ("EXECUTOR_HTTP_ALLOWED_HOSTS", "DATABASE_URL", "CELERY_BROKER_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TICKETDESK_PORT", "8766")
+
+    assert fresh_settings()["EXECUTOR_HTTP_ALLOWED_HOSTS"] == ["127.0.0.1:8766"]
+
+    monkeypatch.setenv("CELERY_BROKER_URL", "redis://127.0.0.1:6379/15")
+    assert fresh_settings()["EXECUTOR_HTTP_ALLOWED_HOSTS"] == []
+
+    monkeypatch.delenv("CELERY_BROKER_URL")
+    monkeypatch.setenv("EXECUTOR_HTTP_ALLOWED_HOSTS", "")  # set, even to nothing, it decides
+    assert fresh_settings()["EXECUTOR_HTTP_ALLOWED_HOSTS"] == []
 
 
 @pytest.mark.parametrize(

@@ -5,10 +5,12 @@ answers, refusals. The SDK's clients against real processes are in tests/recover
 from __future__ import annotations
 
 import json
+import threading
 from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.db import connection
 from django.utils import timezone
 
 from executor import mcp, services
@@ -322,3 +324,99 @@ def test_secrets_of_every_shape_never_come_back_over_mcp(session: mcp.Session) -
         leaked = [secret for _, _, secret in SHAPES if secret in text]
         assert leaked == []
     assert "[redacted]" in shown.text
+
+
+# --- one MCP run per agent, whatever races and whatever the date ----------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_processes_making_the_agents_mcp_run_at_once_make_one(
+    agent: Agent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both looked, found no MCP run and insert at once (a barrier holds each insert until
+    the other has looked too): the unique (agent, key) of runs lets one in, and the other
+    call takes that run. Threads each have a database connection of their own."""
+    barrier = threading.Barrier(2, timeout=10)
+    save = Run.save
+
+    def save_when_both_looked(self: Run, *args: Any, **kwargs: Any) -> None:
+        if self.key == mcp.MCP_RUN_KEY:
+            barrier.wait()
+        save(self, *args, **kwargs)
+
+    monkeypatch.setattr(Run, "save", save_when_both_looked)
+    answers: list[mcp.Answer] = []
+
+    def call(key: str) -> None:
+        try:
+            session = mcp.Session(agent)
+            answers.append(mcp.tools_call(session, "ticketdesk_create", {"title": key, "key": key}))
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=call, args=(f"k{n}",)) for n in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    assert [answer.is_error for answer in answers] == [False, False], answers
+    assert Run.objects.filter(agent=agent).count() == 1
+    run = Run.objects.get(agent=agent)
+    assert (run.key, run.name) == (mcp.MCP_RUN_KEY, mcp.MCP_RUN_NAME)
+    assert {answer.structured["run_id"] for answer in answers} == {str(run.pk)}
+
+
+def test_a_key_names_the_same_step_next_week(session: mcp.Session) -> None:
+    """Nothing of a key's scope depends on the date: the MCP run is not a run of the day."""
+    first = mcp.tools_call(session, "ticketdesk_create", {"title": "a", "key": "weekly"})
+    week_ago = timezone.now() - timedelta(days=7, hours=3)
+    Run.objects.filter(pk=first.structured["run_id"]).update(created_at=week_ago)
+    Step.objects.filter(pk=first.structured["step_id"]).update(created_at=week_ago)
+
+    again = mcp.tools_call(
+        mcp.Session(session.agent), "ticketdesk_create", {"title": "a", "key": "weekly"}
+    )
+    other = mcp.tools_call(session, "ticketdesk_create", {"title": "b", "key": "weekly"})
+
+    assert again.structured["step_id"] == first.structured["step_id"]
+    assert other.is_error
+    assert other.structured["error"] == "conflict"
+    assert Run.objects.count() == 1
+    assert Step.objects.count() == 1
+
+
+def test_an_agents_own_run_may_not_take_the_mcp_runs_key(api: Any, agent: Agent) -> None:
+    """Else it could stand in for the agent's MCP run, or block it (another name, a conflict)."""
+    for key in (mcp.MCP_RUN_KEY, f"{mcp.MCP_RUN_KEY}-2", f"{mcp.MCP_RUN_KEY}-17"):
+        answer = api.post("/api/v1/runs", {"name": "mine", "key": key})
+        assert answer.status_code == 422, answer.content
+        assert "is reserved for the agent's MCP runs" in answer.content.decode()
+    assert not Run.objects.exists()
+    # Keys that only resemble them are fine, and name no MCP run.
+    for key in ("stepward-mcpx", "stepward-mcp-mine", "stepward-mcp-2-b"):
+        assert api.post("/api/v1/runs", {"name": "mine", "key": key}).status_code == 201
+    assert mcp.mcp_run(agent) is None
+    mcp.tools_call(mcp.Session(agent), "echo", {"message": "hi", "key": "k"})
+    made = mcp.mcp_run(agent)
+    assert made is not None
+    assert made.key == mcp.MCP_RUN_KEY
+
+
+def test_the_next_mcp_run_is_numbered_after_the_highest_whatever_was_removed(
+    session: mcp.Session,
+) -> None:
+    """Only "MCP calls (2)" is left, cancelled (the first was removed since): the next calls
+    go into a new run "MCP calls (3)", not back into the cancelled one."""
+    left, _ = services.run_create(
+        agent=session.agent, name="MCP calls (2)", key=f"{mcp.MCP_RUN_KEY}-2", mcp=True
+    )
+    services.run_cancel(run=left, actor="user:alice", reason="stop it")
+
+    answer = mcp.tools_call(session, "ticketdesk_create", {"title": "a", "key": "after"})
+
+    assert not answer.is_error, answer.structured
+    made = mcp.mcp_run(session.agent)
+    assert made is not None
+    assert (made.key, made.name) == (f"{mcp.MCP_RUN_KEY}-3", "MCP calls (3)")
+    assert answer.structured["run_id"] == str(made.pk)

@@ -311,14 +311,35 @@ def test_deleting_an_approval_is_caught(decided: dict[str, Any]) -> None:
 
 
 def test_editing_the_policys_approval_of_a_posted_step_is_caught(agent: Agent, run: Run) -> None:
+    # The policy's approval has no row: the Event that approved the step records its version.
     [step, *_] = completed_steps(agent, run, 1)
-    sql(f"UPDATE {APPROVALS} SET policy_version = %s WHERE step_id = %s", ["v0", step.pk.hex])
+    assert not Approval.objects.filter(step=step).exists()
+    sql(
+        f"UPDATE {EVENTS} SET data = %s WHERE step_id = %s AND to_state = 'approved'",
+        ['{"policy_version": "v0"}', step.pk.hex],
+    )
 
-    findings = verify()
+    [finding] = verify()
 
-    assert len(findings) == 2
-    assert "the approval it recorded is no longer there as it was" in findings[0]
-    assert "is recorded by no event" in findings[1]
+    assert finding.startswith(f"step {step.pk}: event ")
+    assert "its content does not match its hash: it was edited" in finding
+
+
+def test_a_policy_approval_row_added_by_hand_is_caught(agent: Agent, run: Run) -> None:
+    [step, *_] = completed_steps(agent, run, 1)
+    forged = Approval.objects.create(
+        step=step,
+        input_hash=step.input_hash,
+        tool=step.tool_id,
+        policy_version="x",
+        reason="the tool's policy needs no approval",
+        approved_at=timezone.now(),
+    )
+
+    assert verify() == [
+        f"step {step.pk}: no event: approval {forged.pk} is recorded by no event: it was added "
+        "or edited behind the application's back"
+    ]
 
 
 def test_an_approval_added_by_hand_is_caught(decided: dict[str, Any], owner: Any) -> None:

@@ -3,13 +3,14 @@ upstreams as data (API.md "Your own tools", "MCP gateway")."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from executor import services
-from executor.tools.files import ToolFileError, read_tool_file
+from executor.tools.files import ToolFileError, read_tool_file, unset_variables
 
 
 class Command(BaseCommand):
@@ -34,6 +35,12 @@ class Command(BaseCommand):
             action="store_true",
             help="do not ask the upstreams for their tools now (the workers will)",
         )
+        parser.add_argument(
+            "--no-env-check",
+            action="store_true",
+            help="load even when a ${NAME} the file reads is not set here (only the workers' "
+            "environment holds it)",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         path = Path(options["file"])
@@ -41,6 +48,15 @@ class Command(BaseCommand):
             file = read_tool_file(path)
         except ToolFileError as error:
             raise CommandError(str(error)) from None
+        unset = [] if options["no_env_check"] else unset_variables(file, os.environ)
+        if unset:
+            for problem in unset:
+                self.stderr.write(self.style.ERROR(problem))
+            raise CommandError(
+                f"{path}: {len(unset)} variable(s) not set; nothing was loaded. The workers read "
+                "each ${NAME} from their environment at every call: set it there and here "
+                "(--no-env-check loads without it, where only the workers hold it)."
+            )
         try:
             report = services.tools_load(
                 tables=file.tools,

@@ -1,14 +1,16 @@
 """`manage.py up`: the whole product on one machine — web, worker, beat and ticket desk.
 
-Checks its ports before it starts anything; creates an admin login (when the database has no
-superuser) and a demo workspace, agent and reviewer, and prints how to use them; then runs a
-demo agent once (executor/demo.py). Children that die are restarted (a drill or fault
+Checks its ports before it does anything else, then migrates the database; creates an admin
+login (when the database has no superuser) and a demo workspace, agent and reviewer, and
+prints how to use them; then runs a demo agent (executor/demo.py), once per database: the
+demo agent's runs are the mark that it ran. Children that die are restarted (a drill or fault
 injection may end a worker on purpose), but one that keeps dying right after it starts
 stops everything, naming it and its log. Ctrl-C stops everything.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import secrets
 import signal
@@ -30,7 +32,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from executor import services
-from executor.models import Agent
+from executor.models import Agent, Run
 
 # A child that exits sooner than this after its start did not start; after this many
 # such exits in a row `up` gives up rather than restart it forever.
@@ -44,6 +46,7 @@ LOG_TAIL_LINES = 15
 # desk with no idempotency key and no lookup, so a dropped connection leaves an `unknown`
 # only a person can settle (the demo makes the desk drop one).
 DEMO_TOOL = "demo.open_ticket"
+DEMO_AGENT = "demo-agent"
 DEMO_TOOL_TOML = """\
 [[tool]]
 name = "{name}"
@@ -138,6 +141,15 @@ def port_in_use(host: str, port: int) -> str | None:
     return None
 
 
+def operator_command(command: str) -> str:
+    """`command` as the operator can type it here: the `stepward` script installed beside
+    this Python (see pyproject.toml), else this Python and manage.py."""
+    script = Path(sys.executable).parent / "stepward"
+    program = f"{script}" if script.exists() else f"{sys.executable} {settings.BASE_DIR}/manage.py"
+    here = f"{Path.cwd()}{os.sep}"
+    return f"{program.removeprefix(here)} {command}"
+
+
 class Command(BaseCommand):
     help = "Run web, worker, beat and the ticket desk together on this machine."
 
@@ -155,14 +167,23 @@ class Command(BaseCommand):
         )
         parser.add_argument("--no-desk", action="store_true", help="do not start the desk")
         parser.add_argument("--no-demo", action="store_true", help="create no demo accounts")
+        parser.add_argument(
+            "--no-migrate", action="store_true", help="do not migrate the database first"
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        # Our own lines, in order with the children's that _relay writes, also when the
+        # output is a file or a pipe (a service manager's log), not only on a terminal.
+        if isinstance(sys.stdout, io.TextIOWrapper):
+            sys.stdout.reconfigure(line_buffering=True)
         host, port, desk_port = options["host"], options["port"], options["desk_port"]
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         with_desk = not options["no_desk"]
         # Before anything starts: a busy port would otherwise show as a server that keeps
         # dying, or worse, as someone else's server answering in ours' place.
         self.check_ports(host, port, desk_port if with_desk else None)
+        if not options["no_migrate"]:
+            call_command("migrate", interactive=False, verbosity=0)
         call_command("collectstatic", interactive=False, verbosity=0)
         self.create_admin(address)
         if with_desk:
@@ -173,10 +194,12 @@ class Command(BaseCommand):
                 "EXECUTOR_HTTP_ALLOWED_HOSTS", urlsplit(os.environ["TICKETDESK_URL"]).netloc
             )
         token = ""
+        demo_ran = False
         if not options["no_demo"]:
             if with_desk:
                 self.load_demo_tool(os.environ["TICKETDESK_URL"])
             token = self.create_demo(public=host not in ("127.0.0.1", "localhost", "::1"))
+            demo_ran = Run.objects.filter(workspace__slug="demo", agent__name=DEMO_AGENT).exists()
         log_dir = settings.VAR_DIR / "log"
         python = sys.executable
         manage = str(settings.BASE_DIR / "manage.py")
@@ -227,8 +250,13 @@ class Command(BaseCommand):
                     "Ctrl-C stops it."
                 )
             )
-            if token:
-                # Once: real runs for the console to show.
+            if demo_ran:
+                self.stdout.write(
+                    "The demo ran on this database before: its runs are in the console, and "
+                    "it is not run again."
+                )
+            elif token:
+                # Once per database: real runs for the console to show.
                 demo.append(
                     spawn(
                         "demo",
@@ -270,7 +298,7 @@ class Command(BaseCommand):
             if number is not None and not 0 < number < 65536:
                 problems.append(f"{name}={number} is not a port (1 to 65535)")
         if problems:
-            raise CommandError("; ".join(problems))
+            raise CommandError("nothing was started: " + "; ".join(problems) + ".")
         if desk_port == port:
             raise CommandError(
                 f"the console and the ticket desk cannot share port {port}: "
@@ -289,9 +317,9 @@ class Command(BaseCommand):
         if held:
             other = free_after(host, port)
             problems.append(
-                f"port {port} on {host} is already in use ({held}): another Stepward or "
-                f"another server is listening there. Stop it, or choose another port: "
-                f"PORT={other} make run (or manage.py up --port {other})."
+                f"port {port} on {host} is already in use ({held}), by another Stepward or "
+                f"another server: stop it, or choose another port: PORT={other} make run "
+                f"(or manage.py up --port {other})."
             )
         if desk_port is not None:
             held = port_in_use("127.0.0.1", desk_port)
@@ -299,11 +327,15 @@ class Command(BaseCommand):
                 other = free_after("127.0.0.1", desk_port)
                 problems.append(
                     f"the ticket desk's port {desk_port} on 127.0.0.1 is already in use "
-                    f"({held}). Stop what holds it, or choose another port: "
+                    f"({held}): stop what holds it, or choose another port: "
                     f"TICKETDESK_PORT={other} make run (or manage.py up --desk-port {other})."
                 )
         if problems:
-            raise CommandError("nothing was started: " + " ".join(problems))
+            # One sentence a problem, a line each.
+            raise CommandError(
+                "nothing was started, not even the database's migration:\n"
+                + "\n".join(f"- {problem}" for problem in problems)
+            )
 
     def create_admin(self, address: str) -> None:
         password = services.admin_create_first(username="admin")
@@ -311,12 +343,12 @@ class Command(BaseCommand):
             self.stdout.write(
                 f"Admin login (made once, shown once): admin / {password} at "
                 f"http://{address}/admin/ (another password: "
-                "python manage.py changepassword admin)"
+                f"{operator_command('changepassword admin')})"
             )
         else:
             self.stdout.write(
                 "Admin: sign in at /admin/ as a superuser "
-                "(a new one: python manage.py createsuperuser)"
+                f"(a new one: {operator_command('createsuperuser')})"
             )
 
     def load_demo_tool(self, desk_url: str) -> None:
@@ -343,9 +375,9 @@ class Command(BaseCommand):
         password = secrets.token_urlsafe(9) if public else "reviewer"
         services.reviewer_create(workspace=workspace, username="reviewer", password=password)
         services.tools_sync()
-        agent = Agent.objects.filter(workspace=workspace, name="demo-agent").first()
+        agent = Agent.objects.filter(workspace=workspace, name=DEMO_AGENT).first()
         if agent is None:
-            agent, token = services.agent_create(workspace=workspace, name="demo-agent")
+            agent, token = services.agent_create(workspace=workspace, name=DEMO_AGENT)
         else:
             token = services.agent_rotate_token(agent=agent)
             # The demo agent may use every tool, the demo's own included.
