@@ -50,11 +50,11 @@ POSTGRESQL = [
     AS $$ BEGIN {INSERT_RUN.format(now="now()")}; RETURN NULL; END $$""",
     # Per statement, over the rows it inserted: a post of 500 steps that wait for approval
     # makes one INSERT … SELECT, not 500 calls of a function.
-    f"""CREATE OR REPLACE FUNCTION stepward_steps_inserted() RETURNS trigger LANGUAGE plpgsql
+    f"""CREATE OR REPLACE FUNCTION stepward_notify_steps_inserted() RETURNS trigger LANGUAGE plpgsql
     AS $$ BEGIN {INSERT_INSERTED}; RETURN NULL; END $$""",
     """CREATE OR REPLACE TRIGGER stepward_step_inserted_waits AFTER INSERT ON executor_step
     REFERENCING NEW TABLE AS inserted FOR EACH STATEMENT
-    EXECUTE FUNCTION stepward_steps_inserted()""",
+    EXECUTE FUNCTION stepward_notify_steps_inserted()""",
     f"""CREATE OR REPLACE TRIGGER stepward_step_moved_waits AFTER UPDATE OF state
     ON executor_step FOR EACH ROW WHEN ({STEP_MOVED}) EXECUTE FUNCTION stepward_step_waits()""",
     f"""CREATE OR REPLACE TRIGGER stepward_run_paused AFTER UPDATE OF status ON executor_run
@@ -65,7 +65,7 @@ POSTGRESQL_REVERSE = [
     "DROP TRIGGER IF EXISTS stepward_step_moved_waits ON executor_step",
     "DROP TRIGGER IF EXISTS stepward_run_paused ON executor_run",
     "DROP FUNCTION IF EXISTS stepward_step_waits()",
-    "DROP FUNCTION IF EXISTS stepward_steps_inserted()",
+    "DROP FUNCTION IF EXISTS stepward_notify_steps_inserted()",
     "DROP FUNCTION IF EXISTS stepward_run_paused()",
 ]
 SQLITE = [
