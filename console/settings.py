@@ -463,7 +463,8 @@ LOGGING = {
         "console": {
             "class": "logging.StreamHandler",
             "formatter": "json" if LOG_FORMAT == "json" else "plain",
-        }
+        },
+        "discard": {"class": "logging.NullHandler"},
     },
     "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
     "loggers": {
@@ -475,6 +476,10 @@ LOGGING = {
         # api_key=) with it: a tool call's URL stays out of the log.
         "httpx": {"level": "WARNING"},
         "httpcore": {"level": "WARNING"},
+        # Apprise logs the URL it could not parse, credentials and all: its lines go nowhere
+        # but to executor/notify.py, which reads them while it sends and keeps the error,
+        # redacted, on the delivery (admin).
+        "apprise": {"handlers": ["discard"], "propagate": False, "level": "ERROR"},
     },
 }
 
@@ -528,6 +533,9 @@ NOTIFY_SIGNING_KEY = os.environ.get("NOTIFY_SIGNING_KEY", "")
 NOTIFY_MAX_ATTEMPTS = env_int("NOTIFY_MAX_ATTEMPTS", 10)
 NOTIFY_RETRY_SECONDS = float(os.environ.get("NOTIFY_RETRY_SECONDS", "30"))
 NOTIFY_RETRY_MAX_SECONDS = float(os.environ.get("NOTIFY_RETRY_MAX_SECONDS", "3600"))
+# Sent and failed messages, and the notifications they held, are deleted after this long.
+NOTIFY_KEEP_DAYS = env_int("NOTIFY_KEEP_DAYS", 30)
+
 # --- the review desk (docs/reviewers.md) ------------------------------------------------
 # A reviewer's claim on an item ("being handled by …") lapses after this many minutes.
 REVIEW_CLAIM_MINUTES = env_int("REVIEW_CLAIM_MINUTES", 15)

@@ -15,6 +15,7 @@ from typing import Any
 from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin.options import IS_POPUP_VAR
+from django.db import IntegrityError, transaction
 from django.db.models import Count, IntegerField, Model, OuterRef, QuerySet, Subquery
 from django.db.models.functions import Coalesce
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
@@ -1199,9 +1200,13 @@ class NotifyDeliveryAdmin(ReadOnlyAdmin):
             ).exclude(pk=delivery.pk)
             if other.exists():
                 continue
-            retried += NotifyDelivery.objects.filter(pk=delivery.pk).update(
-                status=DeliveryStatus.PENDING, next_attempt_at=None, attempts=0
-            )
+            try:
+                with transaction.atomic():
+                    retried += NotifyDelivery.objects.filter(pk=delivery.pk).update(
+                        status=DeliveryStatus.PENDING, next_attempt_at=None, attempts=0
+                    )
+            except IntegrityError:
+                continue  # the sweeper opened a message for this subscriber meanwhile
         self.message_user(request, f"{retried} message(s) will be sent at the next sweep.")
 
 

@@ -11,23 +11,19 @@ subscriber (a digest: at most one message per subscriber per NOTIFY_DIGEST_SECON
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import urlencode
 
-import apprise
-import requests
-from apprise.exception import AppriseException
-from apprise.plugins.custom_json import NotifyJSON
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import IntegrityError, transaction
-from django.db.models import Max, OuterRef, Q, Subquery
+from django.db.models import Count, Max, OuterRef, Q, Subquery
 from django.urls import reverse
 from django.utils import timezone
 
@@ -51,12 +47,14 @@ logger = logging.getLogger(__name__)
 LEASE_NAME = "notify"
 # New notifications handed out, and deliveries sent, per pass (the next pass goes on).
 BATCH = 1000
+FAN_OUT_BATCHES = 20
 SEND_BATCH = 100
+# A pass stops starting new sends after this long (slow subscribers): the next pass goes on.
+SEND_SECONDS = 60.0
 # A message lists this many items; the rest are counted and reached through the inbox link.
 MAX_LISTED = 100
 TEXT_LISTED = 20
 REASON_LENGTH = 300
-SIGNATURE_HEADER = "X-Stepward-Signature"
 
 # What a reviewer subscribed by name must hold to be told of a kind (DESIGN.md §9).
 PERMISSION_FOR: dict[str, str] = {
@@ -332,10 +330,37 @@ def reason_of(notification: Notification, run: Run, step: Step | None) -> str:
     return _shown(text.rstrip(": "))
 
 
-def items_of(delivery: NotifyDelivery) -> tuple[list[Item], int]:
-    """The delivery's first MAX_LISTED items (oldest first) and how many it holds."""
+@dataclass(frozen=True)
+class Held:
+    """What a delivery holds, over all its items (the message lists only the first)."""
+
+    total: int
+    per_kind: dict[str, int]
+    workspaces: dict[int, str]  # id → slug
+    tools: frozenset[str | None]  # None: a paused run's
+
+
+def items_of(delivery: NotifyDelivery) -> tuple[list[Item], Held]:
+    """The delivery's first MAX_LISTED items (oldest first), and what it holds in all."""
     notifications = delivery.notifications.order_by("id")
-    total = notifications.count()
+    per_kind = dict(
+        notifications.order_by().values("kind").annotate(n=Count("pk")).values_list("kind", "n")
+    )
+    workspaces = dict(
+        Workspace.objects.filter(
+            pk__in=Run.objects.filter(pk__in=notifications.order_by().values("run_id")).values(
+                "workspace_id"
+            )
+        ).values_list("pk", "slug")
+    )
+    tools: set[str | None] = {
+        str(name)
+        for name in Step.objects.filter(pk__in=notifications.order_by().values("step_id"))
+        .values_list("tool_id", flat=True)
+        .distinct()
+    }
+    if NotifyKind.PAUSED in per_kind:
+        tools.add(None)
     listed = list(notifications[:MAX_LISTED])
     runs = Run.objects.select_related("workspace").in_bulk({n.run_id for n in listed})
     steps = Step.objects.in_bulk({n.step_id for n in listed if n.step_id})
@@ -344,7 +369,7 @@ def items_of(delivery: NotifyDelivery) -> tuple[list[Item], int]:
         run = runs.get(n.run_id)
         step = steps.get(n.step_id) if n.step_id else None
         if run is None or (n.step_id and step is None):
-            total -= 1  # archived meanwhile: nothing left to link to
+            per_kind[n.kind] -= 1  # archived meanwhile: nothing left to link to
             continue
         page = reverse("step", args=[step.pk]) if step else reverse("run", args=[run.pk])
         items.append(
@@ -360,30 +385,29 @@ def items_of(delivery: NotifyDelivery) -> tuple[list[Item], int]:
                 at=n.created_at.isoformat(),
             )
         )
-    return items, total
+    per_kind = {kind: n for kind, n in per_kind.items() if n > 0}
+    return items, Held(sum(per_kind.values()), per_kind, workspaces, frozenset(tools))
 
 
-def compose(items: Sequence[Item], total: int, *, now: datetime) -> Message:
+def compose(items: Sequence[Item], held: Held, *, now: datetime) -> Message:
     """One message for the items: the item itself when alone, else a digest whose link is
-    the inbox filtered to what the items share."""
+    the inbox filtered to what all the items share."""
     listed = [item.as_json() for item in items]
+    total = held.total
     if total == 1 and len(items) == 1:
         (item,) = items
         title = f"Stepward: {NotifyKind(item.event).label.lower()} in {item.workspace}"
         text = f"{item.tool or 'run'}: {item.reason}\n{item.console_url}"
         return Message(title, text, {**item.as_json(), "count": 1, "items": listed})
-    workspaces = {item.workspace_id: item.workspace for item in items}
-    kinds = {item.event for item in items}
-    workspace_id = next(iter(workspaces)) if len(workspaces) == 1 else None
-    kind = next(iter(kinds)) if len(kinds) == 1 else None
+    workspace_id = next(iter(held.workspaces)) if len(held.workspaces) == 1 else None
+    kind = next(iter(held.per_kind)) if len(held.per_kind) == 1 else None
     link = inbox_url(workspace_id=workspace_id, kind=kind)
-    per_kind: dict[str, int] = {}
-    for item in items:
-        per_kind[item.event] = per_kind.get(item.event, 0) + 1
-    counted = ", ".join(f"{n} {NotifyKind(k).label.lower()}" for k, n in sorted(per_kind.items()))
-    where = f" in {workspaces[workspace_id]}" if workspace_id is not None else ""
+    counted = ", ".join(
+        f"{n} {NotifyKind(k).label.lower()}" for k, n in sorted(held.per_kind.items())
+    )
+    where = f" in {held.workspaces[workspace_id]}" if workspace_id is not None else ""
     title = f"Stepward: {total} items wait for a person{where}"
-    lines = [f"{counted}." if len(items) == total else f"{counted}, and others."]
+    lines = [f"{counted}."]
     lines += [
         f"- {item.workspace} · {item.tool or 'run'}: {item.reason} {item.console_url}"
         for item in items[:TEXT_LISTED]
@@ -391,13 +415,12 @@ def compose(items: Sequence[Item], total: int, *, now: datetime) -> Message:
     if total > TEXT_LISTED:
         lines.append(f"… {total - TEXT_LISTED} more")
     lines.append(f"All of them: {link}")
-    tools = {item.tool for item in items}
     payload = {
         "event": "digest",
-        "workspace": workspaces[workspace_id] if workspace_id is not None else None,
+        "workspace": held.workspaces[workspace_id] if workspace_id is not None else None,
         "step_id": None,
         "run_id": None,
-        "tool": next(iter(tools)) if len(tools) == 1 else None,
+        "tool": next(iter(held.tools)) if len(held.tools) == 1 else None,
         "reason": f"{total} items wait for a person: {counted}",
         "console_url": link,
         "at": now.isoformat(),
@@ -410,59 +433,6 @@ def compose(items: Sequence[Item], total: int, *, now: datetime) -> Message:
 # --- sending -------------------------------------------------------------------------------
 
 
-def signature(body: bytes, key: str) -> str:
-    """`sha256=<hex HMAC-SHA256 of the body>`: the X-Stepward-Signature header's value."""
-    return "sha256=" + hmac.new(key.encode(), body, hashlib.sha256).hexdigest()
-
-
-class SignedJSON(NotifyJSON):
-    """Apprise's own `json://` and `jsons://` webhook (its URL syntax: `+Header=value`,
-    `-param=value`, `?method=`, user and password), except that the body is Stepward's
-    payload, sent as it is and signed: Apprise's JSON body is its own envelope, unsigned."""
-
-    service_name = "Stepward signed JSON webhook"
-
-    def __init__(self, signing_key: str = "", **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.signing_key = signing_key
-
-    def send(
-        self, body: Any, title: Any = "", notify_type: Any = None, attach: Any = None, **kwargs: Any
-    ) -> bool:
-        data = str(body).encode()
-        headers = {
-            "User-Agent": self.app_id,
-            "Content-Type": "application/json",
-            **self.headers,
-            SIGNATURE_HEADER: signature(data, self.signing_key),
-        }
-        scheme = "https" if self.secure else "http"
-        url = f"{scheme}://{self.host}"
-        if isinstance(self.port, int):
-            url += f":{self.port}"
-        url += self.fullpath or "/"
-        self.throttle()
-        try:
-            response = requests.request(
-                str(self.method),
-                url,
-                data=data,
-                params=self.params,
-                headers=headers,
-                auth=(str(self.user), str(self.password or "")) if self.user else None,
-                verify=self.verify_certificate,
-                timeout=self.request_timeout,
-                allow_redirects=False,
-            )
-        except requests.RequestException as error:
-            self.logger.warning("the webhook at %s did not answer: %s", self.host, error)
-            return False
-        if not 200 <= response.status_code < 300:
-            self.logger.warning("the webhook at %s answered %s", self.host, response.status_code)
-            return False
-        return True
-
-
 WEBHOOK_SCHEMES = ("json", "jsons")
 
 
@@ -471,15 +441,16 @@ def scheme_of(url: str) -> str:
 
 
 def instantiate(url: str, *, signing_key: str = "") -> Any:
-    """The Apprise plugin for `url` (ours for json:// and jsons://), or None."""
+    """The Apprise plugin for `url` (ours for json:// and jsons://), or None.
+
+    Apprise is imported here, not with this module: it takes a few tenths of a second, and
+    every process that loads the admin or the sweeper would pay them, sending or not."""
     if scheme_of(url) in WEBHOOK_SCHEMES:
-        parsed = SignedJSON.parse_url(url)
-        if not parsed:
-            return None
-        try:
-            return SignedJSON(signing_key=signing_key, **parsed)
-        except (AppriseException, TypeError, ValueError):  # a bad method, port…
-            return None
+        from executor import signed_webhook
+
+        return signed_webhook.instantiate(url, signing_key=signing_key)
+    import apprise
+
     return apprise.Apprise.instantiate(url, suppress_exceptions=True)
 
 
@@ -493,11 +464,14 @@ def url_problem(url: str) -> str | None:
 
 
 def masked(url: str) -> str:
-    """The URL with its credentials hidden (Apprise's privacy form), for admin and logs."""
+    """The URL with its credentials hidden (Apprise's privacy form; a webhook's headers by
+    name only), for admin and logs."""
     plugin = instantiate(url)
     if plugin is None:
         return f"{scheme_of(url)}://…"
-    return str(plugin.url(privacy=True))
+    if scheme_of(url) in WEBHOOK_SCHEMES:
+        return str(plugin.masked_url())
+    return redact_text(str(plugin.url(privacy=True)))
 
 
 Sender = Callable[[str, Message], "str | None"]
@@ -511,6 +485,8 @@ def apprise_send(url: str, message: Message) -> str | None:
     plugin = instantiate(url, signing_key=settings.NOTIFY_SIGNING_KEY)
     if plugin is None:
         return f"Apprise cannot send to {masked(url)}"
+    import apprise
+
     with apprise.LogCapture(level=logging.WARNING, fmt="%(message)s") as captured:
         if webhook:
             delivered = plugin.notify(body=message.body_json(), title="")
@@ -554,7 +530,10 @@ def send_due(*, now: datetime, send: Sender = apprise_send) -> SendReport:
         .filter(Q(next_attempt_at__isnull=True) | Q(next_attempt_at__lte=now))
         .order_by("send_after", "id")[:SEND_BATCH]
     )
+    started = time.monotonic()
     for delivery in due:
+        if time.monotonic() - started > SEND_SECONDS:
+            break
         url = url_of(delivery)
         if url is None:
             delivery.status = DeliveryStatus.FAILED
@@ -562,12 +541,12 @@ def send_due(*, now: datetime, send: Sender = apprise_send) -> SendReport:
             delivery.save(update_fields=["status", "last_error"])
             report.failed += 1
             continue
-        items, total = items_of(delivery)
-        if total == 0:
+        items, held = items_of(delivery)
+        if not items:
             delivery.delete()  # every item archived meanwhile
             continue
         try:
-            error = send(url, compose(items, total, now=now))
+            error = send(url, compose(items, held, now=now))
         except Exception as raised:  # a plugin's bug must not stop the other deliveries
             logger.exception("notify: sending to %s failed", delivery.target)
             error = redact_text(f"{type(raised).__name__}: {raised}")[:2000]
@@ -614,12 +593,33 @@ def release_lease(owner: str) -> None:
     )
 
 
+def prune(*, now: datetime) -> int:
+    """Deletes what is older than NOTIFY_KEEP_DAYS: sent and failed messages, and the
+    notifications no pending message holds. A batch a pass; returns the rows deleted."""
+    cut = now - timedelta(days=settings.NOTIFY_KEEP_DAYS)
+    old = list(
+        NotifyDelivery.objects.filter(created_at__lt=cut)
+        .exclude(status=DeliveryStatus.PENDING)
+        .values_list("pk", flat=True)[:BATCH]
+    )
+    deleted = NotifyDelivery.objects.filter(pk__in=old).delete()[0] if old else 0
+    stale = list(
+        Notification.objects.filter(fanned_out_at__lt=cut)
+        .exclude(deliveries__status=DeliveryStatus.PENDING)
+        .values_list("pk", flat=True)[:BATCH]
+    )
+    if stale:
+        deleted += Notification.objects.filter(pk__in=stale).delete()[0]
+    return deleted
+
+
 @dataclass
 class NotifyReport:
     handed_out: int = 0
     sent: int = 0
     retried: int = 0
     failed: int = 0
+    pruned: int = 0
 
 
 def notify_pass(
@@ -634,12 +634,13 @@ def notify_pass(
         return None
     try:
         handed_out = 0
-        while True:
+        for _ in range(FAN_OUT_BATCHES):
             done = fan_out(now=now)
             handed_out += done
             if done < BATCH:
                 break
         sent = send_due(now=now, send=send)
+        pruned = prune(now=now)
     finally:
         release_lease(owner)
-    return NotifyReport(handed_out, sent.sent, sent.retried, sent.failed)
+    return NotifyReport(handed_out, sent.sent, sent.retried, sent.failed, pruned)

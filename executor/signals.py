@@ -1,9 +1,12 @@
-"""Keeps the Tool table in step with the registry after every migrate."""
+"""Keeps the Tool table in step with the registry and puts back the notification triggers
+after every migrate, removes a deleted sign-in role's group, and checks NOTIFY_URLS."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
+from django.core import checks
 from django.db.models.signals import post_delete, post_migrate
 from django.dispatch import receiver
 
@@ -38,3 +41,30 @@ def notification_triggers_after_migrate(sender: Any, **kwargs: Any) -> None:
     connection = connections[kwargs.get("using", "default")]
     if "executor_notification" in connection.introspection.table_names():
         triggers.install(connection)
+
+
+@checks.register("notifications")
+def notify_urls_check(app_configs: Any, **kwargs: Any) -> list[checks.CheckMessage]:
+    """A NOTIFY_URLS entry Apprise cannot send to stops startup, named (masked) and numbered,
+    rather than fail at every sweep."""
+    from executor import notify
+
+    found: list[checks.CheckMessage] = []
+    for number, url in enumerate(settings.NOTIFY_URLS, start=1):
+        problem = notify.url_problem(url)
+        if problem:
+            found.append(
+                checks.Error(
+                    f"NOTIFY_URLS entry {number} ({notify.masked(url)}): {problem}",
+                    id="stepward.E101",
+                )
+            )
+        elif notify.scheme_of(url) in notify.WEBHOOK_SCHEMES and not settings.NOTIFY_SIGNING_KEY:
+            found.append(
+                checks.Warning(
+                    f"NOTIFY_URLS entry {number} is a JSON webhook and NOTIFY_SIGNING_KEY is "
+                    "not set: it will not be sent (never unsigned).",
+                    id="stepward.W101",
+                )
+            )
+    return found

@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             r"executor\.dispatch",
             r"executor\.redaction",
             r"executor\.conditions",
+            r"executor\.signed_webhook",
             r"executor\.logcontext",
             r"executor\.management(\.commands)?",
             r"console",

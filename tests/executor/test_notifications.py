@@ -11,6 +11,7 @@ import hmac
 import json
 from collections.abc import Iterator
 from datetime import timedelta
+from io import StringIO
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -20,12 +21,14 @@ from aiosmtpd.controller import Controller
 from django.apps import apps
 from django.contrib.auth.models import User
 from django.core.management import call_command
+from django.core.management.base import SystemCheckError
 from django.db import connection, transaction
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from guardian.shortcuts import assign_perm, remove_perm
 
+from console.forms import PAUSED_RUNS
 from executor import dispatch, engine, notify, runs, services, signals, transitions, triggers
 from executor.models import (
     Agent,
@@ -39,6 +42,7 @@ from executor.models import (
     Workspace,
 )
 from executor.models import Tool as ToolRow
+from executor.selectors import InboxKind
 from executor.states import State
 from executor.tools.base import FailureClass, ToolError
 from tests.support import tooling
@@ -125,6 +129,43 @@ def test_every_way_into_the_inbox_is_recorded_once(agent: Agent, run: Run) -> No
     assert Notification.objects.get(kind=NotifyKind.PAUSED).step_id is None
 
 
+def test_a_compensation_request_is_recorded_as_one(agent: Agent, run: Run, reviewer: User) -> None:
+    done = post(agent, run, "test.undoable")
+    assert engine.process(done.pk, worker="w1") == State.COMPLETED
+    done = reload(done)
+
+    undo = services.compensation_request(
+        step=done, user=reviewer, version=done.version, reason="wrong customer"
+    )
+
+    assert Notification.objects.get().kind == NotifyKind.COMPENSATION
+    assert Notification.objects.get().step_id == undo.pk
+
+
+@pytest.mark.parametrize(
+    ("state", "compensating", "kind"),
+    [
+        (State.DEAD, False, NotifyKind.DEAD),
+        (State.BLOCKED, False, NotifyKind.BLOCKED),
+        (State.FAILED, True, NotifyKind.FAILED_COMPENSATION),
+        (State.FAILED, False, None),
+        (State.CANCELLED, False, None),
+    ],
+)
+def test_the_database_records_each_waiting_state_whoever_writes_it(
+    agent: Agent, run: Run, state: State, compensating: bool, kind: str | None
+) -> None:
+    """The triggers see the row, not the code that wrote it: a plain UPDATE counts too."""
+    original = post(agent, run, "test.pure")
+    step = post(agent, run, "test.pure")
+    if compensating:
+        Step.objects.filter(pk=step.pk).update(compensates=original)
+
+    Step.objects.filter(pk=step.pk).update(state=state, failure_class="transient")
+
+    assert kinds() == ([kind] if kind else [])
+
+
 def test_a_move_rolled_back_leaves_no_notification(agent: Agent, run: Run) -> None:
     WriteTool.will(FailureClass.AMBIGUOUS)
     step = post(agent, run, "test.write")
@@ -149,18 +190,12 @@ def _without_triggers() -> None:
     assert triggers.installed(connection) == set()
 
 
-@pytest.mark.django_db(transaction=True)
-def test_migrate_puts_back_the_triggers_a_table_rebuild_dropped() -> None:
+def test_migrate_puts_back_triggers_that_went_missing() -> None:
+    """As SQLite drops a table's triggers when a migration rebuilds the table (its way of
+    altering one), every migrate installs them again."""
     assert triggers.installed(connection) == set(triggers.NAMES)
-    if connection.vendor == "sqlite":
-        # How SQLite alters a table: a new one, the rows copied, the old one (and its
-        # triggers) dropped.
-        with connection.schema_editor() as editor:
-            editor._remake_table(Step)
-    else:
-        triggers.uninstall(connection)
-    step_triggers = {"stepward_step_inserted_waits", "stepward_step_moved_waits"}
-    assert not step_triggers & triggers.installed(connection)
+    triggers.uninstall(connection)
+    assert triggers.installed(connection) == set()
 
     signals.notification_triggers_after_migrate(apps.get_app_config("executor"), using="default")
 
@@ -283,7 +318,17 @@ def test_a_single_item_is_sent_as_itself_with_the_contracts_fields(
 
     sweep()
 
-    body = verified(receiver.wait_for(1)[0])
+    [request] = receiver.wait_for(1)
+    body = verified(request)
+    # The five lines docs/notifications.md gives receivers say the same.
+    docs = (Path(__file__).parents[2] / "docs" / "notifications.md").read_text()
+    snippet = docs.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict[str, Any] = {}
+    exec(snippet, namespace)
+    signature = request["headers"]["X-Stepward-Signature"]
+    assert namespace["verified"](request["body"].encode(), signature, KEY) == body
+    with pytest.raises(ValueError, match="bad signature"):
+        namespace["verified"](request["body"].encode() + b" ", signature, KEY)
     assert {
         "event",
         "workspace",
@@ -546,6 +591,11 @@ def test_admin_refuses_a_url_apprise_cannot_send_to(owner: User, workspace: Work
     assert refused.status_code == 200
     assert b"Apprise cannot send to this nope:// URL" in refused.content
 
+    bad_kinds = {**form, "url": "jsons://h.example/x", "kinds": '["approval", "nope"]'}
+    refused = desk.post("/admin/executor/notifysubscription/add/", bad_kinds)
+    assert refused.status_code == 200
+    assert b"a list of kinds among approval, compensation" in refused.content
+
     for url in ("mailtos://bob:pw@mail.example.com?to=desk@example.com", "jsons://h.example/x"):
         added = desk.post("/admin/executor/notifysubscription/add/", {**form, "url": url})
         assert added.status_code == 302, added.content
@@ -604,3 +654,139 @@ def test_an_email_subscriber_gets_one_digest_with_the_links(
     for step in steps:
         assert f"https://stepward.example.com/steps/{step.pk}/" in text
     assert f"https://stepward.example.com/?workspace={workspace.pk}&state=approval" in text
+
+
+# --- what a message says --------------------------------------------------------------------
+
+
+def test_the_events_are_the_inboxs_filters() -> None:
+    """Each event's name is a value of the inbox's `state` filter, so its link filters."""
+    assert set(NotifyKind.values) == {*InboxKind.values, PAUSED_RUNS}
+
+
+def test_a_digest_of_more_than_a_hundred_lists_a_hundred_and_counts_them_all(
+    agent: Agent, run: Run, workspace: Workspace, receiver: Receiver
+) -> None:
+    needing_approval(workspace)
+    subscribe(workspace, receiver.url)
+    post_many(agent, run, "test.write", 150)
+    runs.pause(run, reason="budget", actor="test")
+
+    sweep()
+
+    digest = verified(receiver.received()[0])
+    assert digest["count"] == 151
+    assert len(digest["items"]) == 100
+    assert digest["reason"] == ("151 items wait for a person: 150 awaiting approval, 1 paused run")
+    assert digest["tool"] is None  # a paused run among them
+    assert digest["console_url"] == f"https://stepward.example.com/?workspace={workspace.pk}"
+
+
+# --- settings -------------------------------------------------------------------------------
+
+
+def test_a_bad_notify_url_stops_startup_named_and_masked(settings: Any) -> None:
+    settings.NOTIFY_URLS = ["json://h.example/x", "slack://not-a-token"]
+
+    with pytest.raises(SystemCheckError) as refused:
+        call_command("check")
+
+    assert "NOTIFY_URLS entry 2 (slack://…): Apprise cannot send to this slack:// URL" in str(
+        refused.value
+    )
+    assert "not-a-token" not in str(refused.value)
+
+
+def test_a_webhook_without_a_signing_key_is_warned_of(settings: Any) -> None:
+    settings.NOTIFY_URLS = ["json://h.example/x"]
+    settings.NOTIFY_SIGNING_KEY = ""
+    out = StringIO()
+
+    call_command("check", stdout=out, stderr=out)
+
+    assert "NOTIFY_URLS entry 1 is a JSON webhook and NOTIFY_SIGNING_KEY is not set" in (
+        out.getvalue()
+    )
+
+
+def test_a_webhooks_password_and_header_values_are_masked() -> None:
+    url = "jsons://bot:hunter22@hooks.example.com:8443/in?+Authorization=Bearer%20abc123xyz"
+
+    shown = notify.masked(url)
+
+    assert shown == "jsons://bot:****@hooks.example.com:8443/in +Authorization=****"
+
+
+# --- keeping --------------------------------------------------------------------------------
+
+
+def test_old_messages_and_their_records_are_deleted_pending_ones_kept(
+    agent: Agent, run: Run, workspace: Workspace, receiver: Receiver, settings: Any
+) -> None:
+    settings.NOTIFY_KEEP_DAYS = 30
+    needing_approval(workspace)
+    subscribe(workspace, receiver.url)
+    start = timezone.now()
+    post(agent, run, "test.write")
+    sweep(start)
+    receiver.stop()
+    post(agent, run, "test.write")
+    sweep(start + timedelta(days=1))  # fails: kept pending
+    assert NotifyDelivery.objects.filter(status=DeliveryStatus.PENDING).count() == 1
+
+    report = sweep(start + timedelta(days=31))
+
+    assert report.pruned >= 2  # the sent message, its link and its notification
+    [kept] = NotifyDelivery.objects.all()
+    assert kept.status == DeliveryStatus.PENDING
+    assert Notification.objects.count() == 1
+    assert kept.notifications.count() == 1
+
+
+def test_admin_pages_of_a_message_and_a_subscription_open(
+    owner: User, agent: Agent, run: Run, workspace: Workspace, receiver: Receiver
+) -> None:
+    subscription = subscribe(workspace, receiver.url)
+    needing_approval(workspace)
+    step = post(agent, run, "test.write")
+    sweep()
+    desk = Client()
+    desk.force_login(owner)
+
+    delivery = NotifyDelivery.objects.get()
+    assert desk.get(f"/admin/executor/notifydelivery/{delivery.pk}/change/").status_code == 200
+    page = desk.get(f"/admin/executor/notifysubscription/{subscription.pk}/change/")
+    assert page.status_code == 200
+    listed = desk.get(f"/admin/executor/notification/?deliveries__id__exact={delivery.pk}")
+    assert listed.status_code == 200
+    assert f"/admin/executor/step/{step.pk}/change/".encode() in listed.content
+
+
+def test_retry_now_in_admin_sends_a_given_up_message_at_the_next_sweep(
+    owner: User, agent: Agent, run: Run, workspace: Workspace, tmp_path: Path, settings: Any
+) -> None:
+    settings.NOTIFY_MAX_ATTEMPTS = 1
+    later = Receiver(free_port(), tmp_path / "later.jsonl")
+    subscribe(workspace, later.url)
+    needing_approval(workspace)
+    post(agent, run, "test.write")
+    assert sweep().failed == 1
+    delivery = NotifyDelivery.objects.get()
+    assert delivery.status == DeliveryStatus.FAILED
+    desk = Client()
+    desk.force_login(owner)
+
+    answer = desk.post(
+        "/admin/executor/notifydelivery/",
+        {"action": "retry_now", "_selected_action": [delivery.pk]},
+    )
+
+    assert answer.status_code == 302
+    delivery.refresh_from_db()
+    assert (delivery.status, delivery.attempts) == (DeliveryStatus.PENDING, 0)
+    later.start()
+    try:
+        assert sweep().sent == 1
+        assert len(later.received()) == 1
+    finally:
+        later.stop()
