@@ -32,6 +32,7 @@ import httpx
 import pytest
 from django.conf import settings
 
+from executor.client import SETTLED
 from tests.support.processes import wait_until
 
 ROOT = Path(settings.BASE_DIR)
@@ -350,7 +351,7 @@ def test_the_docs_desk_tools_load_and_run_as_written(up: Up) -> None:
 
         def settled() -> dict[str, object] | None:
             now = api.get(f"/steps/{step_id}").json()
-            return now if now["state"] not in ("planned", "pending", "running") else None
+            return now if now["state"] in SETTLED else None
 
         final = wait_until(settled, seconds=120, what="the desk tool's step to settle")
     # The workers read ${DESK_TOKEN} (the demo desk's default) and may reach the desk.
