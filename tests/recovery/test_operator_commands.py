@@ -32,6 +32,7 @@ import httpx
 import pytest
 from django.conf import settings
 
+from executor.client import SETTLED
 from tests.support.processes import wait_until
 
 ROOT = Path(settings.BASE_DIR)
@@ -41,6 +42,8 @@ UP = [".venv/bin/python", "manage.py", "up"]
 UP_SECONDS = 240.0
 DEMO_SECONDS = 300.0
 COMMAND_SECONDS = 120.0
+# A drill of 20 steps, its crashes and leases included (about 100 s on a loaded machine).
+DRILL_SECONDS = 600.0
 # Celery says this, and only this, when its worker runs as root (as in CI's container): an
 # advice about the machine, not about Stepward. Anywhere else it is not said.
 ROOT_ADVICE = ("SecurityWarning: You're running the worker with superuser privileges",)
@@ -97,7 +100,11 @@ def make_clone(where: Path) -> Path:
 
 
 def manage(
-    clone: Path, *argv: str, stdin: str | None = None, cwd: Path | None = None
+    clone: Path,
+    *argv: str,
+    stdin: str | None = None,
+    cwd: Path | None = None,
+    timeout: float = COMMAND_SECONDS,
 ) -> subprocess.CompletedProcess[str]:
     """`.venv/bin/python manage.py ARGV`, typed in the clone (or in `cwd`)."""
     return subprocess.run(
@@ -107,7 +114,7 @@ def manage(
         input=stdin,
         capture_output=True,
         text=True,
-        timeout=COMMAND_SECONDS,
+        timeout=timeout,
         check=False,
         # No controlling terminal: getpass reads the passwords from stdin, as a script's.
         start_new_session=True,
@@ -344,7 +351,7 @@ def test_the_docs_desk_tools_load_and_run_as_written(up: Up) -> None:
 
         def settled() -> dict[str, object] | None:
             now = api.get(f"/steps/{step_id}").json()
-            return now if now["state"] not in ("planned", "pending", "running") else None
+            return now if now["state"] in SETTLED else None
 
         final = wait_until(settled, seconds=120, what="the desk tool's step to settle")
     # The workers read ${DESK_TOKEN} (the demo desk's default) and may reach the desk.
@@ -430,6 +437,61 @@ def test_the_stepward_script_runs_from_any_directory(up: Up, tmp_path: Path) -> 
     assert made.stdout.strip().splitlines()[-1].startswith("sw_")
     assert usage.stdout.startswith("usage: stepward changepassword")
     assert not (elsewhere / "var").exists(), "the checkout's var/ is used, wherever it runs"
+
+
+def test_an_mcp_server_goes_behind_stepward_as_written(up: Up, tmp_path: Path) -> None:
+    # The docs' repository is /tmp/stepward-demo-repo; this test's is its own.
+    repo = tmp_path / "stepward-demo-repo"
+    repo.mkdir()
+    upstream = up.clone / "examples" / "git-upstream.toml"
+    upstream.write_text(upstream.read_text().replace("/tmp/stepward-demo-repo", str(repo)))
+    git = ["git", "-C", str(repo)]
+    subprocess.run([*git, "init"], env=shell_env(), capture_output=True, check=True)
+    (repo / "README.md").write_text("hello\n")
+    subprocess.run([*git, "add", "README.md"], env=shell_env(), capture_output=True, check=True)
+
+    loaded = manage(up.clone, "load_tools", "examples/git-upstream.toml")
+    agent = manage(
+        up.clone,
+        "create_agent",
+        "git-bot",
+        "--workspace",
+        "demo",
+        "--tools",
+        "git.git_status,git.git_commit",
+    )
+
+    assert loaded.returncode == 0, loaded.stderr
+    assert re.search(r"upstream git: \d+ tool\(s\): .*git_commit", loaded.stdout), loaded.stdout
+    assert agent.returncode == 0, agent.stderr
+    assert agent.stdout.strip().splitlines()[-1].startswith("sw_")
+
+
+def test_a_drill_runs_on_a_database_of_its_own(up: Up) -> None:
+    database = f"sqlite:///{up.clone}/var/drill.sqlite3"
+
+    refused = manage(up.clone, "drill", "--steps", "5")
+    drilled = manage(
+        up.clone,
+        "drill",
+        "--database",
+        database,
+        "--steps",
+        "20",
+        "--workers",
+        "1",
+        "--tools-file",
+        "examples/desk-tools.toml",
+        timeout=DRILL_SECONDS,
+    )
+
+    # The console's own database holds the demo's open runs: a drill there would crash them.
+    assert refused.returncode != 0
+    assert "run drills on a database of their own (--database URL)" in refused.stderr
+    assert drilled.returncode == 0, drilled.stdout[-3000:] + drilled.stderr
+    assert "verdict: PASSED" in drilled.stdout
+    # ...and its report is recorded in the console's database too (record_drill).
+    assert re.search(r"recorded as drill \d+ in sqlite:.*/var/stepward\.sqlite3", drilled.stdout)
 
 
 # --- MCP over stdio, as a desktop assistant starts it ---------------------------------------------

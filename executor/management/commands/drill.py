@@ -203,10 +203,26 @@ class Command(BaseCommand):
             argv.append(f"--tools={options['tools']}")
         # Beside the console, its Drills page shows the drill: the report is copied here.
         argv.append(f"--report-to={options['report_to'] or current_database_url()}")
+        env = {**os.environ, "DATABASE_URL": options["database"]}
+        # A drill database of its own starts empty: it gets the ledger's tables first (on
+        # one that has them, nothing happens).
+        migrated = subprocess.run(  # noqa: S603 - our own interpreter and command
+            [sys.executable, str(Path(settings.BASE_DIR) / "manage.py"), "migrate", "--no-input"],
+            cwd=settings.BASE_DIR,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if migrated.returncode != 0:
+            raise CommandError(
+                f"the drill's database {redact_url(options['database'])} could not be migrated: "
+                + (migrated.stderr.strip().splitlines() or ["no reason given"])[-1]
+            )
         child = subprocess.Popen(  # noqa: S603 - our own interpreter and command
             argv,
             cwd=settings.BASE_DIR,
-            env={**os.environ, "DATABASE_URL": options["database"]},
+            env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -144,10 +144,15 @@ def port_in_use(host: str, port: int) -> str | None:
 def operator_command(command: str) -> str:
     """`command` as the operator can type it here: the `stepward` script installed beside
     this Python (see pyproject.toml), else this Python and manage.py."""
-    script = Path(sys.executable).parent / "stepward"
-    program = f"{script}" if script.exists() else f"{sys.executable} {settings.BASE_DIR}/manage.py"
     here = f"{Path.cwd()}{os.sep}"
-    return f"{program.removeprefix(here)} {command}"
+
+    def typed(path: Path | str) -> str:
+        return str(path).removeprefix(here)
+
+    script = Path(sys.executable).parent / "stepward"
+    if script.exists():
+        return f"{typed(script)} {command}"
+    return f"{typed(sys.executable)} {typed(Path(settings.BASE_DIR) / 'manage.py')} {command}"
 
 
 class Command(BaseCommand):
