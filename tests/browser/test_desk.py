@@ -223,9 +223,11 @@ def test_a_claim_is_seen_by_a_second_reviewer(
     expect(erin.get_by_test_id("step-claim")).to_contain_text("Being handled by bob")
     expect(erin.get_by_test_id("step-claim").get_by_test_id("claim")).to_have_count(0)
 
-    # bob releases it: erin's open step page offers the claim again, without a reload.
-    inbox_row(page, step).get_by_test_id("release").click()
-    expect(inbox_row(page, step).get_by_test_id("claim")).to_be_visible()
+    # bob releases it on his step page: erin's open page offers the claim again, without a
+    # reload.
+    open_page(page, live_server.url, f"/steps/{step.pk}/")
+    page.get_by_test_id("step-claim").get_by_test_id("release").click()
+    expect(page.get_by_test_id("step-claim").get_by_test_id("claim")).to_be_visible()
     expect(erin.get_by_test_id("step-claim").get_by_test_id("claim")).to_be_visible()
     erin.get_by_test_id("step-claim").get_by_test_id("claim").click()
     expect(erin.get_by_test_id("step-claim")).to_contain_text("Being handled by you")
