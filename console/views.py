@@ -478,9 +478,7 @@ def step_claim(request: ReviewerRequest, pk: Any) -> HttpResponse:
     except services.NotPermitted as error:
         return _claim_answer(request, step, status=403, error=error.message)
     except services.Conflict as error:
-        return _claim_answer(
-            request, step, status=409, error=error.message[:1].upper() + error.message[1:] + "."
-        )
+        return _claim_answer(request, step, status=409, error=error.message)
     return _claim_answer(
         request, step, notice=f"You are handling this step until {claim.expires_at:%H:%M} UTC."
     )
@@ -495,9 +493,7 @@ def step_release(request: ReviewerRequest, pk: Any) -> HttpResponse:
     except services.NotPermitted as error:
         return _claim_answer(request, step, status=403, error=error.message)
     except services.Conflict as error:
-        return _claim_answer(
-            request, step, status=409, error=error.message[:1].upper() + error.message[1:] + "."
-        )
+        return _claim_answer(request, step, status=409, error=error.message)
     return _claim_answer(request, step, notice="Released: anyone may take it.")
 
 

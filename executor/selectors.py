@@ -472,7 +472,7 @@ def inbox_search(text: str) -> Q:
     condition = (
         Q(key__icontains=text)
         | Q(external_id__icontains=text)
-        | Q(tool_id__icontains=text)
+        | Q(tool__name__icontains=text)
         | Q(input_summary__icontains=text)
     )
     if _ID_PART.fullmatch(text):

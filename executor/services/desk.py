@@ -27,9 +27,10 @@ def _waits(step: Step) -> bool:
 def _held_by_other(step: Step, user: User, now: datetime) -> Conflict:
     claim = StepClaim.objects.select_related("user").filter(step=step).first()
     if claim is None:  # released in between: the caller may try again
-        return Conflict("the claim changed meanwhile: try again")
+        return Conflict("The claim changed meanwhile: try again.")
     return Conflict(
-        f"{claim.user.get_username()} is handling this step until {claim.expires_at:%H:%M} UTC",
+        f"This step is being handled by {claim.user.get_username()} until "
+        f"{claim.expires_at:%H:%M} UTC.",
         {"claimed_by": claim.user.get_username(), "until": claim.expires_at.isoformat()},
     )
 
@@ -41,7 +42,7 @@ def step_claim(*, step: Step, user: User, now: datetime | None = None) -> StepCl
     """
     require_perm(user, "review_steps", step.run.workspace)
     if not _waits(step):
-        raise Conflict(f"nothing waits for a person on this step (it is {step.state})")
+        raise Conflict(f"Nothing waits for a person on this step (it is {step.state}).")
     now = now or timezone.now()
     until = now + timedelta(minutes=settings.REVIEW_CLAIM_MINUTES)
     with transaction.atomic():

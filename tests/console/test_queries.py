@@ -97,3 +97,70 @@ def test_the_query_count_does_not_grow_with_the_steps_on_a_page(
         many = client.get(reverse("inbox"), {"size": 100})
     assert few.content.decode().count('data-testid="inbox-row"') == 3
     assert many.content.decode().count('data-testid="inbox-row"') == 100
+
+
+@pytest.mark.usefixtures("ledger")
+def test_search_sort_and_claims_cost_no_query_more(
+    reviewer: User, run: Run, django_assert_num_queries: Any
+) -> None:
+    """A claimed row, a search and another sort are read in the same statements: the
+    claims come with the page's steps (a join), the search and sort are its conditions."""
+    from django.utils import timezone
+
+    from executor.models import StepClaim
+
+    client = Client()
+    client.force_login(reviewer)
+    warm(client)
+    bulk_steps(run, 60)
+    now = timezone.now()
+    StepClaim.objects.bulk_create(
+        StepClaim(
+            step=step, user=reviewer, claimed_at=now, expires_at=now.replace(year=now.year + 1)
+        )
+        for step in Step.objects.filter(run=run)
+    )
+    # A search lists no paused runs (they are not steps): one query fewer.
+    for query, queries in (
+        ({"size": 50}, INBOX_QUERIES),
+        ({"size": 50, "sort": "tool"}, INBOX_QUERIES),
+        ({"q": "bulk", "sort": "newest"}, INBOX_QUERIES - 1),
+    ):
+        with django_assert_num_queries(queries):
+            response = client.get(reverse("inbox"), query)
+        assert response.status_code == 200
+        assert response.content.decode().count('data-testid="claimed-by"') >= 10
+
+
+# The decisions page: 1-4 the session, the user and guardian's global permissions, 5 the
+# workspaces, 6 the people for the filter, 7 the tools, 8 the page of events with their steps,
+# runs and workspaces, 9 the count, 10-12 the navigation's counts (workspaces, steps, runs).
+DECISIONS_QUERIES = 12
+
+
+@pytest.mark.usefixtures("tools")
+def test_the_decisions_page_query_count_is_fixed(
+    reviewer: User, agent: Agent, run: Run, django_assert_num_queries: Any
+) -> None:
+    from tests.support.console import planned
+
+    client = Client()
+    client.force_login(reviewer)
+    assert client.get(reverse("decisions")).status_code == 200
+    made = 0
+
+    def reject(count: int) -> None:
+        nonlocal made
+        for _ in range(count):
+            made += 1
+            step = planned(agent, run, key=f"r-{made}")
+            services.step_reject(step=step, user=reviewer, version=step.version, reason="no")
+
+    reject(3)
+    with django_assert_num_queries(DECISIONS_QUERIES):
+        few = client.get(reverse("decisions"))
+    reject(30)
+    with django_assert_num_queries(DECISIONS_QUERIES):
+        many = client.get(reverse("decisions"))
+    assert few.content.decode().count('data-testid="decision-row"') == 3
+    assert many.content.decode().count('data-testid="decision-row"') == 33
