@@ -263,6 +263,9 @@ def test_an_upstream_that_is_down_or_hangs_is_unavailable_and_retried(
     assert repo.commits_with(f"while {fault}") == 0
 
     up.set(fault, on=False)
+    # Time enough for a real start on a loaded machine (the short limit only made the hang
+    # quick to see).
+    settings.EXECUTOR_UPSTREAM_START_SECONDS = 30
     make_due(step)
     assert engine.process(step.pk) == State.COMPLETED
     assert repo.commits_with(f"while {fault}") == 1
