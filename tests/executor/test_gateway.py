@@ -263,6 +263,9 @@ def test_an_upstream_that_is_down_or_hangs_is_unavailable_and_retried(
     assert repo.commits_with(f"while {fault}") == 0
 
     up.set(fault, on=False)
+    # Time enough for a real start on a loaded machine (the short limit only made the hang
+    # quick to see).
+    settings.EXECUTOR_UPSTREAM_START_SECONDS = 30
     make_due(step)
     assert engine.process(step.pk) == State.COMPLETED
     assert repo.commits_with(f"while {fault}") == 1
@@ -371,8 +374,13 @@ def everything(
 
 @pytest.mark.npm
 def test_an_http_upstream_is_listed_and_answers(
-    everything: EverythingServer, agent: Agent, run: Run
+    everything: EverythingServer, agent: Agent, run: Run, api: ApiClient
 ) -> None:
+    listed = {tool["name"]: tool for tool in api.get("/api/v1/tools").json()}
+    assert set(listed["everything.get-sum"]["input_schema"]["required"]) == {"a", "b"}
+    assert listed["everything.echo"]["usable"] is True
+    names = {spec.name for spec in mcp.tools_list(mcp.Session(agent))}
+    assert {"everything_echo", "everything_get-sum"} <= names
     step = post(agent, run, "everything.echo", input={"message": "over http"})
     assert engine.process(step.pk) == State.COMPLETED
     assert reload(step).result["text"] == "Echo: over http"

@@ -333,18 +333,19 @@ def test_secrets_of_every_shape_never_come_back_over_mcp(session: mcp.Session) -
 def test_two_processes_making_the_agents_mcp_run_at_once_make_one(
     agent: Agent, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Both looked, found no MCP run and insert at once (a barrier holds each insert until
-    the other has looked too): the unique (agent, key) of runs lets one in, and the other
-    call takes that run. Threads each have a database connection of their own."""
+    """Both looked, found no MCP run and insert at once (a barrier holds each after its look,
+    before its insert, until the other has looked too): the unique (agent, key) of runs lets
+    one in, and the other call takes that run. Threads each have a database connection of
+    their own."""
     barrier = threading.Barrier(2, timeout=10)
-    save = Run.save
+    seal = services.runs.run_seal
 
-    def save_when_both_looked(self: Run, *args: Any, **kwargs: Any) -> None:
-        if self.key == mcp.MCP_RUN_KEY:
+    def seal_when_both_looked(run: Run, previous: str) -> str:
+        if run.key == mcp.MCP_RUN_KEY:
             barrier.wait()
-        save(self, *args, **kwargs)
+        return seal(run, previous)
 
-    monkeypatch.setattr(Run, "save", save_when_both_looked)
+    monkeypatch.setattr(services.runs, "run_seal", seal_when_both_looked)
     answers: list[mcp.Answer] = []
 
     def call(key: str) -> None:
