@@ -375,4 +375,18 @@ class Migration(migrations.Migration):
             },
         ),
         migrations.RunPython(create_triggers, drop_triggers, elidable=False),
+        migrations.AddIndex(
+            model_name="run",
+            index=models.Index(fields=["created_at", "id"], name="run_created"),
+        ),
+        migrations.AddIndex(
+            model_name="step",
+            index=models.Index(fields=["run", "state", "position"], name="step_run_state"),
+        ),
+        migrations.AddIndex(
+            model_name="run",
+            index=models.Index(
+                fields=["workspace", "created_at", "id"], name="run_workspace_created"
+            ),
+        ),
     ]
