@@ -14,7 +14,7 @@ from executor import checks
 
 pytestmark = pytest.mark.django_db
 
-migration = importlib.import_module("executor.migrations.0018_counters_and_indexes")
+migration = importlib.import_module("executor.migrations.0019_page_indexes_and_hot_tables")
 
 
 def options_of(table: str) -> dict[str, str]:
