@@ -77,7 +77,7 @@ from executor.states import IN_FLIGHT, INBOX, PROGRESS_ORDER, REPORT_SECTIONS, S
 # Client-side event that tells the navigation counts to refresh at once.
 INBOX_CHANGED = "inbox-changed"
 # A run page lists this many steps; the report above it still covers every step.
-RUN_STEPS_SHOWN = 500
+RUN_STEPS_SHOWN = 100
 # --- access -------------------------------------------------------------------------------
 
 
@@ -859,9 +859,15 @@ def _run_context(
     notice: str = "",
 ) -> dict[str, Any]:
     counts = selectors.run_counts(run=run)
-    # Asking the external systems for their own counts is a network call: only on request.
-    report = selectors.run_report(run=run, external=request.GET.get("reconcile") == "1")
-    shown = list(run.steps.order_by("position")[:RUN_STEPS_SHOWN])
+    # Reconciling reads every attempt of the run and asks the external systems for their
+    # own counts (a network call): only on request.
+    report = selectors.run_report_shown(
+        run=run, counts=counts, reconcile=request.GET.get("reconcile") == "1"
+    )
+    after = _position(request.GET.get("after", ""))
+    shown, next_after = selectors.run_steps_page(
+        run=run, total=sum(counts.values()), after=after, size=RUN_STEPS_SHOWN
+    )
     return {
         "run": run,
         "counts": counts,
@@ -869,9 +875,19 @@ def _run_context(
         "bar": [(state.value, counts[state]) for state in PROGRESS_ORDER if counts.get(state)],
         "budget_lines": _budget_lines(run),
         "report": report,
-        "report_sections": [(name, report[name]) for name in REPORT_SECTIONS if report[name]],
+        "report_sections": [
+            (
+                name,
+                report[name],
+                report["counts"][name],
+                report["counts"][name] - len(report[name]),
+            )
+            for name in REPORT_SECTIONS
+            if report["counts"][name]
+        ],
         "steps": shown,
-        "steps_hidden": max(0, sum(counts.values()) - len(shown)),
+        "steps_after": after,
+        "steps_next": next_after,
         "run_events": list(run.run_events.order_by("-created_at", "-pk")[:20]),
         "can_extend": run.status == RunStatus.PAUSED
         and _may(request.user, "extend_budget", run.workspace),
@@ -881,6 +897,11 @@ def _run_context(
         "extend_notice": notice,
         "polling": run.status in (RunStatus.OPEN, RunStatus.PAUSED),
     }
+
+
+def _position(text: str) -> int:
+    """A page's `after` (a step position); anything else is the first page."""
+    return int(text) if text.isdigit() and len(text) < 10 else 0
 
 
 @require_GET

@@ -11,7 +11,7 @@ class ExecutorConfig(AppConfig):
     def ready(self) -> None:
         from django.conf import settings
 
-        from executor import limits, signals  # noqa: F401
+        from executor import checks, limits, signals  # noqa: F401
         from executor.logcontext import install_record_factory
         from executor.tools import outbound
         from executor.tools.loader import load_tools

@@ -452,7 +452,13 @@ class Run(models.Model):
             ),
             models.CheckConstraint(condition=Q(used_cost__gte=0), name="run_used_cost_positive"),
         ]
-        indexes = [models.Index(fields=["status", "updated_at"], name="run_status_updated")]
+        indexes = [
+            models.Index(fields=["status", "updated_at"], name="run_status_updated"),
+            # The runs list, newest first, a page at a time (keyset on (created_at, id)):
+            # of every workspace a reviewer sees, and of one.
+            models.Index(fields=["created_at", "id"], name="run_created"),
+            models.Index(fields=["workspace", "created_at", "id"], name="run_workspace_created"),
+        ]
 
     def __str__(self) -> str:
         return self.name
@@ -565,6 +571,9 @@ class Step(models.Model):
                 condition=Q(state=State.PENDING),
                 name="step_due_in_run",
             ),
+            # A run's steps in one state, in posting order: the run page's report lists each
+            # section's first steps without reading the run (a range scan bounded by LIMIT).
+            models.Index(fields=["run", "state", "position"], name="step_run_state"),
             # Expired leases.
             models.Index(
                 fields=["lease_expires_at"],

@@ -19,6 +19,7 @@ from django.db.models import Count, Model, Q, QuerySet, Sum, TextChoices
 from django.utils import timezone
 
 from executor import policy
+from executor.counters import run_state_counts
 from executor.models import (
     Agent,
     Attempt,
@@ -163,8 +164,8 @@ def steps_for_agent(*, agent: Agent) -> QuerySet[Step]:
 
 
 def run_counts(*, run: Run) -> dict[str, int]:
-    rows = Step.objects.filter(run=run).values("state").annotate(n=Count("id")).order_by()
-    return {row["state"]: row["n"] for row in rows}
+    """The run's steps per state, from the counters (one query, whatever the run's size)."""
+    return run_state_counts([run.pk]).get(run.pk, {})
 
 
 def run_elapsed_seconds(*, run: Run) -> float:
@@ -252,6 +253,120 @@ def run_report(*, run: Run, external: bool = False) -> dict[str, Any]:
     report["usage"] = usage
     report["summary"] = report_summary(report)
     return report
+
+
+# What the console's run page lists of each report section; the rest it counts.
+REPORT_ENTRIES_SHOWN = 50
+REPORT_FIELDS = (
+    "id",
+    "key",
+    "tool",
+    "state",
+    "external_id",
+    "failure_class",
+    "failure_message",
+    "attempt_count",
+    "position",
+    "operation_id",
+    "run_id",
+)
+
+
+def run_report_shown(
+    *, run: Run, counts: dict[str, int], reconcile: bool = False
+) -> dict[str, Any]:
+    """The run report as the console's run page shows it, in a cost that does not grow with
+    the run: each section's count (from `counts`, the counters) and its first
+    REPORT_ENTRIES_SHOWN entries in posting order, read in one statement of one index range
+    scan per state (`step_run_state`). The summary is the API's (`run_report`). With
+    `reconcile`, the usage is also reconciled against the attempts and the external systems
+    (which reads every attempt of the run, and asks the systems: on request only)."""
+    section_of = {state: name for name, states in REPORT_SECTIONS.items() for state in states}
+    report: dict[str, Any] = {name: [] for name in REPORT_SECTIONS}
+    for step in _first_steps_by_state(run, [s for s in State if counts.get(s.value)]):
+        report[section_of[State(step.state)]].append(
+            {
+                "step_id": str(step.pk),
+                "key": step.key,
+                "tool": step.tool_id,
+                "state": step.state,
+                "external_id": step.external_id,
+                "evidence": step_evidence(step),
+                "position": step.position,
+            }
+        )
+    report["counts"] = {
+        name: sum(counts.get(state.value, 0) for state in states)
+        for name, states in REPORT_SECTIONS.items()
+    }
+    for name in REPORT_SECTIONS:
+        report[name].sort(key=lambda entry: entry["position"])
+    summary = _summary(report["counts"], report["uncertain"])
+    for name in REPORT_SECTIONS:
+        del report[name][REPORT_ENTRIES_SHOWN:]
+    usage = run_usage(run=run)
+    if reconcile:
+        usage["attempts"] = run_attempt_usage(run=run)
+        usage["reconciled"] = {
+            "calls": usage["calls"] == usage["attempts"]["calls"],
+            "cost": abs(usage["cost"] - usage["attempts"]["cost"]) < 1e-9,
+        }
+        usage["external"] = external_usage(
+            list(Step.objects.filter(run=run).only(*REPORT_FIELDS).order_by("position"))
+        )
+    report["usage"] = usage
+    report["summary"] = summary
+    return report
+
+
+def _first_steps_by_state(run: Run, states: list[State]) -> list[Step]:
+    """The run's first REPORT_ENTRIES_SHOWN steps in each of `states`: one statement, a
+    UNION ALL of one bounded range scan of (run, state, position) per state."""
+    if not states:
+        return []
+    parts: list[str] = []
+    params: list[Any] = []
+    for state in states:
+        query = (
+            Step.objects.filter(run_id=run.pk, state=state)
+            .only(*REPORT_FIELDS)
+            .order_by("position")[:REPORT_ENTRIES_SHOWN]
+        )
+        sql, part_params = query.query.sql_with_params()
+        parts.append(f"SELECT * FROM ({sql}) AS s{len(parts)}")  # noqa: S608 - the ORM's SQL
+        params += list(part_params)
+    return list(Step.objects.raw(" UNION ALL ".join(parts), params))
+
+
+def _summary(counts: dict[str, int], uncertain: list[dict[str, Any]]) -> str:
+    """`report_summary`'s line from the sections' counts."""
+    parts = [f"{counts[name]} {name}" for name in REPORT_SECTIONS if counts[name]]
+    if not parts:
+        return "No steps yet."
+    line = ", ".join(parts)
+    unknown = [e for e in uncertain if e["state"] == State.UNKNOWN]
+    if unknown:
+        keys = ", ".join(f"`{e['key']}`" for e in unknown[:3])
+        line += f"; may or may not have happened: {keys}; a reviewer has it"
+    return line + "."
+
+
+def run_steps_page(
+    *, run: Run, total: int, after: int = 0, size: int = 100
+) -> tuple[list[Step], int | None]:
+    """A page of the run's steps in posting order, after position `after`, and the next
+    page's `after` (None on the last). `total` is how many steps the run has (its counters).
+
+    A run's positions are 1..n with no gap (its StepCounter hands them out; `verify_ledger`
+    holds it), so a page is the position range (after, after + size]: whatever plan the
+    statistics of the moment suggest, it meets `size` rows at most.
+    """
+    rows = list(
+        Step.objects.filter(run_id=run.pk, position__gt=after, position__lte=after + size)
+        .defer("input", "result", "depends_on")
+        .order_by("position")
+    )
+    return rows, (after + size if after + size < total else None)
 
 
 def external_usage(steps: list[Step]) -> dict[str, Any]:
@@ -994,7 +1109,9 @@ def runs_page(
     after: Cursor | None = None,
     size: int = 25,
 ) -> tuple[list[Run], Cursor | None]:
-    """Newest runs first with their step counts (one query), and the next page's cursor."""
+    """Newest runs first with their step counts, and the next page's cursor: two queries,
+    the page of runs (an index range scan in (created_at, id) order, keyset) and their
+    counts from the counters (executor/counters.py), never their steps."""
     runs = Run.objects.in_workspaces(workspace_ids)
     if workspace_id is not None:
         runs = runs.filter(workspace_id=workspace_id)
@@ -1005,19 +1122,22 @@ def runs_page(
             Q(created_at__lt=after.at) | Q(created_at=after.at, pk__lt=uuid.UUID(after.pk))
         )
     rows: list[Run] = list(
-        runs.select_related("workspace", "agent")
-        .annotate(
-            steps_total=Count("steps"),
-            steps_done=Count("steps", filter=Q(steps__state__in=CONFIRMED)),
-            steps_waiting=Count("steps", filter=Q(steps__state__in=INBOX)),
-            steps_failed=Count("steps", filter=Q(steps__state__in=ENDED_WITHOUT_EFFECT)),
-        )
-        .order_by("-created_at", "-pk")[: size + 1]
+        runs.select_related("workspace", "agent").order_by("-created_at", "-pk")[: size + 1]
     )
-    if len(rows) <= size:
-        return rows, None
-    last = rows[size - 1]
-    return rows[:size], Cursor(at=last.created_at, pk=str(last.pk))
+    next_cursor = None
+    if len(rows) > size:
+        rows = rows[:size]
+        next_cursor = Cursor(at=rows[-1].created_at, pk=str(rows[-1].pk))
+    counts = run_state_counts([run.pk for run in rows]) if rows else {}
+    for run in rows:
+        of_run = counts.get(run.pk, {})
+        run.steps_total = sum(of_run.values())  # type: ignore[attr-defined]
+        run.steps_done = sum(of_run.get(s, 0) for s in CONFIRMED)  # type: ignore[attr-defined]
+        run.steps_waiting = sum(of_run.get(s, 0) for s in INBOX)  # type: ignore[attr-defined]
+        run.steps_failed = sum(  # type: ignore[attr-defined]
+            of_run.get(s, 0) for s in ENDED_WITHOUT_EFFECT
+        )
+    return rows, next_cursor
 
 
 def step_move_after(*, step: Step, version: int) -> Event | None:

@@ -9,6 +9,7 @@ executor/tool_limits.py) keep their steps `pending`."""
 from __future__ import annotations
 
 import functools
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -88,27 +89,19 @@ def _fairly(*, light: bool, limit: int, now: datetime, full: Sequence[str]) -> l
     One statement ranks due steps within their run (ROW_NUMBER over the run, in DUE_ORDER)
     and takes them by rank, skipping (PostgreSQL) rows another claim holds, so two workers'
     claims take different steps; a second reads the rows taken with what authorizing them
-    needs. On PostgreSQL it ranks only each open run's first few due steps (a LATERAL join
-    on the `step_due_in_run` index: `_fair_sql`), so a claim costs what it takes, not the
-    backlog; on SQLite (the embedded default, one worker) every due step.
+    needs. On PostgreSQL it ranks only the first few due steps of a bounded number of runs
+    with due work, found in the `step_due_in_run` index (`_fair_sql`), so a claim costs what
+    it takes, not the backlog nor the number of runs; on SQLite (the embedded default, one
+    worker) every due step.
 
-    The outer `s.state = 'pending'` is not redundant: under READ COMMITTED, a row another
-    claim committed (to `running`) after this statement's snapshot is locked anyway and
-    re-checked against the outer query's conditions only (the ranked subquery is not
-    re-evaluated), so without it the row would be taken twice.
+    The outer check that the row is still as ranked (`s.version = ranked.version` on
+    PostgreSQL, `s.state = 'pending'` on SQLite) is not redundant: under READ COMMITTED, a
+    row another claim committed (to `running`, a new version) after this statement's
+    snapshot is locked anyway and re-checked against the outer query's conditions only (the
+    ranked subquery is not re-evaluated), so without it the row would be taken twice.
     """
     if connection.vendor == "postgresql":
-        sql = _fair_sql(light)
-        params: list[Any] = [
-            State.PENDING,
-            now,
-            list(LIGHT_EFFECTS),
-            list(full),
-            limit * CANDIDATES_PER_LIMIT,
-            RunStatus.OPEN,
-            State.PENDING,
-            limit,
-        ]
+        sql, params = fair_statement(light=light, limit=limit, now=now, full=full)
     else:
         sql, params = _fair_sql_everywhere(light=light, limit=limit, now=now, full=full)
     with connection.cursor() as cursor:
@@ -138,27 +131,102 @@ def _sharing_facts(ids: list[Any]) -> list[Step]:
     return steps
 
 
+def fair_statement(
+    *, light: bool, limit: int, now: datetime, full: Sequence[str] = ()
+) -> tuple[str, list[Any]]:
+    """PostgreSQL's fair claim (`_fair_sql`) and its parameters, starting at a random run."""
+    start = uuid.uuid4()
+    runs = min(limit * CANDIDATES_PER_LIMIT, MAX_RUNS_LOOKED_AT)
+    params: list[Any] = [
+        # The runs with due work: from `start` on, then from the first up to `start`.
+        State.PENDING,
+        start,
+        now,
+        State.PENDING,
+        now,
+        runs,
+        State.PENDING,
+        start,
+        now,
+        State.PENDING,
+        start,
+        now,
+        runs,
+        # Each open one's first due steps of the kind wanted.
+        State.PENDING,
+        now,
+        list(LIGHT_EFFECTS),
+        list(full),
+        limit * CANDIDATES_PER_LIMIT,
+        RunStatus.OPEN,
+        limit,
+    ]
+    return _fair_sql(light), params
+
+
+# How many runs with due work one PostgreSQL claim looks at, at most.
+MAX_RUNS_LOOKED_AT = 256
+
+# One probe of the `step_due_in_run` index: the first run after a run id with a due step.
+# An index scan bounded by LIMIT 1, whatever the statistics say: it reads the index in
+# run order and stops at the first due entry (passing, and marking dead for the next scan,
+# the entries of steps claimed since the last vacuum, which a bitmap scan would not).
+_NEXT_RUN = (
+    "SELECT c.run_id FROM {step} c WHERE c.state = %s AND c.run_id {after} {previous}"
+    " AND (c.not_before IS NULL OR c.not_before <= %s) ORDER BY c.run_id LIMIT 1"
+)
+
+
 @functools.cache
 def _fair_sql(light: bool) -> str:
-    """PostgreSQL's fair claim: for each open run, its first due steps of the kind wanted
-    (an index range scan each), ranked within the run; the first `limit` by rank locked,
-    skipping those another claim holds."""
+    """PostgreSQL's fair claim, in a cost that does not grow with the ledger or its runs.
+
+    First the runs with due work, found by walking the `step_due_in_run` index from run to
+    run (a recursive CTE of index probes, each bounded by LIMIT 1), starting at a random run
+    id and wrapping around, at most `runs` on each side of it: not a loop over every open
+    run, and every run with due work comes first for some claims. Then, for each of those that is
+    open, its first due steps of the kind wanted (an index range scan each, LATERAL), ranked
+    within the run; the first `limit` by rank locked, skipping those another claim holds.
+    """
     step, run, tool = Step._meta.db_table, Run._meta.db_table, ToolRow._meta.db_table
     kind = "= ANY(%s::text[])" if light else "<> ALL(%s::text[])"
+    first_after = _NEXT_RUN.format(step=step, after=">=", previous="%s")
+    next_after = _NEXT_RUN.format(step=step, after=">", previous="d.run_id")
+    first_before = _NEXT_RUN.format(step=step, after="<", previous="%s")
+    next_before = (
+        f"SELECT c.run_id FROM {step} c WHERE c.state = %s AND c.run_id > d.run_id"  # noqa: S608
+        " AND c.run_id < %s AND (c.not_before IS NULL OR c.not_before <= %s)"
+        " ORDER BY c.run_id LIMIT 1"
+    )
     return (
-        f"SELECT s.id FROM {step} s JOIN ("  # noqa: S608 - names, not input
-        " SELECT d.id, d.not_before, d.position, ROW_NUMBER() OVER"
+        "WITH RECURSIVE after_start (run_id, n) AS ("  # noqa: S608 - names, not input
+        f" (SELECT ({first_after}), 1)"
+        f" UNION ALL SELECT ({next_after}), d.n + 1 FROM after_start d"
+        " WHERE d.run_id IS NOT NULL AND d.n < %s"
+        "), before_start (run_id, n) AS ("
+        f" (SELECT ({first_before}), 1)"
+        f" UNION ALL SELECT ({next_before}), d.n + 1 FROM before_start d"
+        " WHERE d.run_id IS NOT NULL AND d.n < %s"
+        "), due_runs AS ("
+        " SELECT run_id FROM after_start WHERE run_id IS NOT NULL"
+        " UNION ALL SELECT run_id FROM before_start WHERE run_id IS NOT NULL"
+        ")"
+        f" SELECT s.id FROM {step} s JOIN ("
+        " SELECT d.id, d.version, d.not_before, d.position, ROW_NUMBER() OVER"
         " (PARTITION BY d.run_id ORDER BY d.not_before, d.position) AS rank"
-        f" FROM {run} r CROSS JOIN LATERAL ("
-        f" SELECT c.id, c.run_id, c.not_before, c.position FROM {step} c"
-        " WHERE c.run_id = r.id AND c.state = %s"
+        " FROM due_runs CROSS JOIN LATERAL ("
+        f" SELECT c.id, c.run_id, c.version, c.not_before, c.position FROM {step} c"
+        " WHERE c.run_id = due_runs.run_id AND c.state = %s"
         " AND (c.not_before IS NULL OR c.not_before <= %s)"
         f" AND c.tool IN (SELECT name FROM {tool} WHERE effect {kind})"
         " AND c.tool <> ALL(%s::text[])"
         " ORDER BY c.not_before, c.position LIMIT %s) d"
-        " WHERE r.status = %s"
-        " ) ranked ON ranked.id = s.id"
-        " WHERE s.state = %s"
+        # The run's status by its key: one lookup per run found, never a read of every
+        # open run to join them.
+        f" WHERE (SELECT r.status FROM {run} r WHERE r.id = due_runs.run_id) = %s"
+        # By its key too: the version, not the state, says the row is still as ranked
+        # (an index on state would offer the planner a scan of every pending entry).
+        " ) ranked ON ranked.id = s.id AND s.version = ranked.version"
         " ORDER BY ranked.rank, ranked.not_before, ranked.position"
         " LIMIT %s FOR UPDATE OF s SKIP LOCKED"
     )
