@@ -448,14 +448,22 @@ def archive_runs(
                 f"{archived.path} did not verify; nothing was deleted: "
                 + "; ".join(str(finding) for finding in check.findings[:5])
             )
+        by_id = {str(run.pk): run for run in runs}
+        # Only runs still as written are recorded as archived (a person may have acted on
+        # one meanwhile): the record is what excuses their rows' absence.
+        recorded = []
+        for entry in archived.runs:
+            if _digest_now(by_id[entry[0]]) == entry[2]:
+                recorded.append(entry)
+            else:
+                report.kept_changed.append(entry[0])
         for _ in range(5):
-            if ledger.checkpoint_take(archived=archived.runs) is not None:
+            if ledger.checkpoint_take(archived=recorded) is not None:
                 break
         else:
             raise ArchiveError("could not record the archive in a checkpoint; nothing deleted")
         report.files.append(str(archived.path))
-        by_id = {str(run.pk): run for run in runs}
-        for run_id, steps, digest, _ in archived.runs:
+        for run_id, steps, digest, _ in recorded:
             if _run_delete(by_id[run_id], digest=digest, batch=delete_batch):
                 report.runs += 1
                 report.steps += steps
@@ -468,6 +476,16 @@ def archive_runs(
     return report
 
 
+def _digest_now(run: Run) -> str | None:
+    fresh = Run.objects.filter(pk=run.pk).first()
+    if fresh is None:
+        return None
+    heads = (
+        Step.objects.filter(run=run).order_by("position").values_list("pk", "version", "head_hash")
+    )
+    return run_digest(fresh, list(heads))
+
+
 def _run_delete(run: Run, *, digest: str, batch: int) -> bool:
     """Deletes a run and everything in it, `batch` steps per transaction, newest first (so a
     compensation goes before the step it undoes). False, with nothing deleted, when the run
@@ -477,13 +495,10 @@ def _run_delete(run: Run, *, digest: str, batch: int) -> bool:
     while True:
         with transaction.atomic():
             if first:
-                fresh = Run.objects.select_for_update().filter(pk=run.pk).first()
-                heads = list(
-                    Step.objects.filter(run=run)
-                    .order_by("position")
-                    .values_list("pk", "version", "head_hash")
-                )
-                if fresh is None or run_digest(fresh, heads) != digest:
+                # Locked, then compared: what is deleted is what was archived.
+                Run.objects.select_for_update().filter(pk=run.pk).first()
+                if _digest_now(run) != digest:
+                    logger.warning("run %s changed after it was archived: kept", run.pk)
                     return False
                 first = False
             ids = list(
