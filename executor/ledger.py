@@ -549,8 +549,12 @@ def _unlisted_heads(since: datetime | None) -> list[tuple[uuid.UUID, uuid.UUID, 
     # stamped before that: so only the checkpoints taken since `since` can list a version
     # stamped at or after it.
     listed: dict[str, int] = {}
-    recent = Checkpoint.objects.filter(taken_at__gte=since).values_list("heads", flat=True)
-    for heads in recent.iterator(chunk_size=1):
+    # Newest first along the seq index, stopping at the first one taken before `since`: a
+    # few rows, however many checkpoints a year has left.
+    recent = Checkpoint.objects.order_by("-seq").values_list("taken_at", "heads")
+    for taken_at, heads in recent.iterator(chunk_size=1):
+        if taken_at < since:
+            break
         for step_id, _, version, _ in heads:
             listed[step_id] = max(version, listed.get(step_id, 0))
     rows = []
