@@ -509,6 +509,11 @@ EXECUTOR_CHECKPOINT_SECONDS = float(os.environ.get("EXECUTOR_CHECKPOINT_SECONDS"
 # put it where the database's owner cannot rewrite it (another host, an append-only mount),
 # and `verify_ledger --against` it. Empty: the log line only.
 EXECUTOR_CHECKPOINT_EXPORT = os.environ.get("EXECUTOR_CHECKPOINT_EXPORT", "")
+# Retention (API.md, docs/retention.md): the sweeper archives, once a day, the runs with
+# nothing left to do and no change for this many days into EXECUTOR_ARCHIVE_DIR, then
+# deletes them. 0 (the default) keeps everything forever.
+EXECUTOR_RETENTION_DAYS = float(os.environ.get("EXECUTOR_RETENTION_DAYS", "0"))
+EXECUTOR_ARCHIVE_DIR = os.environ.get("EXECUTOR_ARCHIVE_DIR", str(VAR_DIR / "archive"))
 # A due step untouched this long is assumed to have lost its message and is resent.
 EXECUTOR_REDISPATCH_AFTER = float(os.environ.get("EXECUTOR_REDISPATCH_AFTER", "10"))
 CELERY_BEAT_SCHEDULE = {

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
-from django.db.models import Count, Max, Min, Q
+from django.db import IntegrityError, connection, transaction
+from django.db.models import Count, Max, Min
 from django.utils import timezone
 
 from executor.models import (
@@ -321,11 +321,7 @@ def verify_ledger(
         if start is None:
             raise NoSuchCheckpoint(f"there is no checkpoint {since}")
         changed_after = start.taken_at - CHECKPOINT_OVERLAP
-    step_ids = (
-        None
-        if changed_after is None
-        else Step.objects.filter(updated_at__gte=changed_after).values_list("pk", flat=True)
-    )
+    step_ids = None if changed_after is None else changed_steps(changed_after)
     report = verify_chain(step_ids=step_ids, chunk_size=chunk_size)
     report.findings += run_findings(changed_after=changed_after, chunk_size=chunk_size)
     report.findings += position_findings()
@@ -386,14 +382,30 @@ def run_chain_finding(run: Run, events: Sequence[RunEvent]) -> Finding | None:
     return None
 
 
+def changed_steps(after: datetime) -> Iterator[uuid.UUID]:
+    """The steps with an event stamped at or after `after`, in id order, streamed (a
+    server-side cursor on PostgreSQL): what changed, read through the events' time index."""
+    return (
+        Event.objects.filter(created_at__gte=after)
+        .order_by("step_id")
+        .values_list("step_id", flat=True)
+        .distinct()
+        .iterator(chunk_size=2000)
+    )
+
+
 def _chunks(
     step_ids: Iterable[uuid.UUID] | None, chunk_size: int
 ) -> Iterator[tuple[list[Step], dict[uuid.UUID, list[Event]]]]:
+    """Steps and their events, `chunk_size` steps at a time: memory holds one chunk."""
+    if step_ids is not None:
+        for ids in _batched(step_ids, chunk_size):
+            steps = list(Step.objects.only(*STEP_FIELDS).filter(pk__in=ids).order_by("pk"))
+            yield steps, _events_of([step.pk for step in steps])
+        return
     # Keyset pagination on the primary key: each chunk is one indexed range scan, however
     # far into the ledger it is, and steps posted meanwhile are simply picked up or not.
     base = Step.objects.only(*STEP_FIELDS).order_by("pk")
-    if step_ids is not None:
-        base = base.filter(pk__in=list(step_ids))
     last_pk: uuid.UUID | None = None
     while True:
         page = base if last_pk is None else base.filter(pk__gt=last_pk)
@@ -402,6 +414,17 @@ def _chunks(
             return
         yield steps, _events_of([step.pk for step in steps])
         last_pk = steps[-1].pk
+
+
+def _batched(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    batch: list[Any] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
 def _events_of(step_ids: list[uuid.UUID]) -> dict[uuid.UUID, list[Event]]:
@@ -467,18 +490,24 @@ def position_findings() -> list[Finding]:
     return findings
 
 
-def checkpoint_take(*, now: datetime | None = None) -> Checkpoint | None:
-    """Signs where the chains of the steps changed since the last checkpoint stand.
+def checkpoint_take(
+    *,
+    now: datetime | None = None,
+    archived: Sequence[list[Any]] = (),
+    pruned: Sequence[Any] = (),
+) -> Checkpoint | None:
+    """Signs where the chains of the steps changed since the last checkpoint stand, and the
+    runs `archived` since (API.md "Retention"), and the checkpoints `pruned` (`[seq, hash]`
+    of the newest one about to be deleted).
 
-    Returns it, or None when another process took one with the same number first.
+    Each step's head is listed once: a step already listed at its present version by a
+    checkpoint of the overlap window is not listed again. Returns the checkpoint, or None
+    when another process took one with the same number first.
     """
     now = now or timezone.now()
     previous = Checkpoint.objects.order_by("-seq").first()
     since = previous.taken_at - CHECKPOINT_OVERLAP if previous else None
-    steps = Step.objects.order_by("pk")
-    if since is not None:
-        steps = steps.filter(updated_at__gte=since)
-    rows = list(steps.values_list("pk", "run_id", "version", "head_hash"))
+    rows = _unlisted_heads(since)
     heads = [[str(pk), str(run_id), version, head] for pk, run_id, version, head in rows]
     checkpoint = Checkpoint(
         seq=(previous.seq + 1) if previous else 1,
@@ -486,6 +515,8 @@ def checkpoint_take(*, now: datetime | None = None) -> Checkpoint | None:
         since=since,
         heads=heads,
         attempts=_closed_attempts([pk for pk, _, _, _ in rows]),
+        archived=list(archived),
+        pruned=list(pruned),
         prev_hash=previous.hash if previous else "",
     )
     checkpoint.hash = event_hash(checkpoint.content())
@@ -496,6 +527,41 @@ def checkpoint_take(*, now: datetime | None = None) -> Checkpoint | None:
         return None
     export(checkpoint)
     return checkpoint
+
+
+def _unlisted_heads(since: datetime | None) -> list[tuple[uuid.UUID, uuid.UUID, int, str]]:
+    """`(step, run, version, head)` of every step changed at or after `since` (every step
+    when None) that no checkpoint taken since then lists at that version already."""
+    fields = ("pk", "run_id", "version", "head_hash")
+    if since is None:
+        rows: list[tuple[uuid.UUID, uuid.UUID, int, str]] = []
+        last_pk: uuid.UUID | None = None
+        while True:
+            page = Step.objects.order_by("pk")
+            if last_pk is not None:
+                page = page.filter(pk__gt=last_pk)
+            chunk = list(page.values_list(*fields)[:DEFAULT_CHUNK_SIZE])
+            if not chunk:
+                return rows
+            rows += chunk
+            last_pk = chunk[-1][0]
+    # A step is listed at the version it had when the checkpoint read it, whose move was
+    # stamped before that: so only the checkpoints taken since `since` can list a version
+    # stamped at or after it.
+    listed: dict[str, int] = {}
+    # Newest first along the seq index, stopping at the first one taken before `since`: a
+    # few rows, however many checkpoints a year has left.
+    recent = Checkpoint.objects.order_by("-seq").values_list("taken_at", "heads")
+    for taken_at, heads in recent.iterator(chunk_size=1):
+        if taken_at < since:
+            break
+        for step_id, _, version, _ in heads:
+            listed[step_id] = max(version, listed.get(step_id, 0))
+    rows = []
+    for ids in _batched(changed_steps(since), DEFAULT_CHUNK_SIZE):
+        read = Step.objects.filter(pk__in=ids).order_by("pk").values_list(*fields)
+        rows += [row for row in read if listed.get(str(row[0]), 0) < row[2]]
+    return rows
 
 
 def _closed_attempts(step_ids: list[uuid.UUID]) -> list[list[str]]:
@@ -579,8 +645,16 @@ def exported_findings(against: Sequence[tuple[int, str]]) -> list[Finding]:
         Checkpoint.objects.filter(seq__in=[seq for seq, _ in against]).values_list("seq", "hash")
     )
     findings = []
+    pruned = pruned_through()
     for seq, hash_ in against:
         subject = f"checkpoint {seq}"
+        if pruned is not None and seq <= pruned[0]:
+            # Deleted once it listed only archived runs; the chain kept the newest one's hash.
+            if seq == pruned[0] and hash_ != pruned[1]:
+                findings.append(
+                    _anchor(subject, "is not the checkpoint the chain records as pruned")
+                )
+            continue
         if seq not in stored:
             findings.append(
                 _anchor(
@@ -599,73 +673,134 @@ def exported_findings(against: Sequence[tuple[int, str]]) -> list[Finding]:
     return findings
 
 
+def archived_runs() -> dict[str, int]:
+    """Every run the checkpoints record as archived, with the checkpoint that records it."""
+    runs: dict[str, int] = {}
+    rows = Checkpoint.objects.exclude(archived=[]).values_list("seq", "archived")
+    for seq, archived in rows.iterator(chunk_size=50):
+        for entry in archived:
+            runs[str(entry[0])] = seq
+    return runs
+
+
+def pruned_through() -> tuple[int, str] | None:
+    """`(seq, hash)` of the newest checkpoint pruned, as the checkpoints record it."""
+    marks = Checkpoint.objects.exclude(pruned=[]).order_by("-seq").values_list("pruned", flat=True)
+    newest = marks.first()
+    return (int(newest[0]), str(newest[1])) if newest else None
+
+
 def verify_checkpoints(*, since: int | None = None) -> ChainReport:
-    """The checkpoints' own chain (from checkpoint `since` on), and every step and closed
-    attempt they list against the ledger now."""
+    """The checkpoints' own chain (from checkpoint `since` on, else from the oldest one kept),
+    and every step and closed attempt they list against the ledger now, one checkpoint at a
+    time (memory holds one). A listed step that is gone is a break unless a checkpoint records
+    its run as archived."""
     report = ChainReport()
-    listed: dict[str, tuple[str, int, str, int]] = {}
-    listed_attempts: dict[str, tuple[str, str, int]] = {}
+    archived = archived_runs()
     checkpoints = Checkpoint.objects.order_by("seq")
     previous: Checkpoint | None = None
+    first_seq = since or 1
     if since is not None:
         checkpoints = checkpoints.filter(seq__gte=since)
         previous = Checkpoint.objects.filter(seq=since - 1).first()
-    for checkpoint in checkpoints.iterator():
+    expected_prev: str | None = previous.hash if previous else ""
+    pruned = pruned_through()
+    if previous is None and pruned is not None and first_seq <= pruned[0]:
+        # The checkpoints up to `pruned` were deleted once they listed only archived runs;
+        # the one after must link to the hash the chain recorded for the last of them.
+        first_seq = pruned[0] + 1
+        checkpoints = checkpoints.filter(seq__gte=first_seq)
+        expected_prev = pruned[1]
+    for checkpoint in checkpoints.iterator(chunk_size=1):
         report.checkpoints += 1
         subject = f"checkpoint {checkpoint.seq}"
-        expected_seq = previous.seq + 1 if previous else (since or 1)
+        expected_seq = previous.seq + 1 if previous else first_seq
         if checkpoint.seq != expected_seq:
             report.findings.append(_anchor(subject, f"checkpoint {expected_seq} is missing"))
-        if checkpoint.prev_hash != (previous.hash if previous else ""):
+        if previous is not None:
+            expected_prev = previous.hash
+        if checkpoint.prev_hash != expected_prev:
             report.findings.append(_anchor(subject, "does not link to the checkpoint before it"))
         if event_hash(checkpoint.content()) != checkpoint.hash:
             report.findings.append(_anchor(subject, "its content does not match its hash"))
-        for step_id, run_id, version, head in checkpoint.heads:
-            listed[step_id] = (run_id, version, head, checkpoint.seq)
-        for attempt_id, step_id, digest in checkpoint.attempts:
-            listed_attempts[attempt_id] = (step_id, digest, checkpoint.seq)
+        report.findings += _listing_findings(checkpoint, archived)
         previous = checkpoint
     report.newest_checkpoint = previous
-    if not listed:
-        return report
-    report.findings += _listed_attempt_findings(listed_attempts)
-    rows: dict[str, tuple[str, int]] = {}
-    hashes: dict[tuple[str, int], str] = {}
-    entries = list(listed.items())
-    for start in range(0, len(entries), DEFAULT_CHUNK_SIZE):
-        chunk = entries[start : start + DEFAULT_CHUNK_SIZE]
-        ids = [uuid.UUID(step_id) for step_id, _ in chunk]
-        rows.update(
-            (str(pk), (str(run_id), version))
+    return report
+
+
+def _listing_findings(checkpoint: Checkpoint, archived: dict[str, int]) -> list[Finding]:
+    """Each step and closed attempt one checkpoint lists, against the ledger now. A listing
+    at an older version still holds: a chain only grows, and its event at that version
+    keeps its hash."""
+    findings = []
+    gone = {entry[0] for entry in checkpoint.heads if entry[1] in archived}
+    for start in range(0, len(checkpoint.heads), DEFAULT_CHUNK_SIZE):
+        chunk = [
+            entry
+            for entry in checkpoint.heads[start : start + DEFAULT_CHUNK_SIZE]
+            if entry[1] not in archived
+        ]
+        ids = [uuid.UUID(step_id) for step_id, _, _, _ in chunk]
+        rows = {
+            str(pk): (str(run_id), version)
             for pk, run_id, version in Step.objects.filter(pk__in=ids).values_list(
                 "pk", "run_id", "version"
             )
-        )
-        wanted = Q()
-        for step_id, (_, version, _, _) in chunk:
-            wanted |= Q(step_id=uuid.UUID(step_id), seq=version)
-        hashes.update(
-            ((str(step_id), seq), hash_)
-            for step_id, seq, hash_ in Event.objects.filter(wanted).values_list(
-                "step_id", "seq", "hash"
-            )
-        )
-    for step_id, (run_id, version, head, seq) in listed.items():
-        subject = f"step {step_id} (in checkpoint {seq})"
-        row = rows.get(step_id)
-        if row is None:
-            report.findings.append(_anchor(subject, "was deleted"))
-        elif row[0] != run_id:
-            report.findings.append(_anchor(subject, f"was moved from run {run_id} to {row[0]}"))
-        elif row[1] < version or hashes.get((step_id, version)) != head:
-            report.findings.append(
-                _anchor(
-                    subject,
-                    f"was at version {version} with head {head[:12]}; its chain no longer "
-                    f"holds that (now at version {row[1]}): events were cut or rewritten",
+        }
+        hashes = event_hashes([(uuid.UUID(step_id), version) for step_id, _, version, _ in chunk])
+        for step_id, run_id, version, head in chunk:
+            subject = f"step {step_id} (in checkpoint {checkpoint.seq})"
+            row = rows.get(step_id)
+            if row is None:
+                findings.append(_anchor(subject, "was deleted, and its run was not archived"))
+            elif row[0] != run_id:
+                findings.append(_anchor(subject, f"was moved from run {run_id} to {row[0]}"))
+            elif row[1] < version or hashes.get((step_id, version)) != head:
+                findings.append(
+                    _anchor(
+                        subject,
+                        f"was at version {version} with head {head[:12]}; its chain no longer "
+                        f"holds that (now at version {row[1]}): events were cut or rewritten",
+                    )
                 )
-            )
-    return report
+    # The attempts a checkpoint lists are those of the steps it lists.
+    findings += _listed_attempt_findings(
+        {
+            attempt_id: (step_id, digest, checkpoint.seq)
+            for attempt_id, step_id, digest in checkpoint.attempts
+            if step_id not in gone
+        }
+    )
+    return findings
+
+
+def event_hashes(pairs: Sequence[tuple[uuid.UUID, int]]) -> dict[tuple[str, int], str]:
+    """The hash of the event at each `(step, seq)`: one query joining a VALUES list to the
+    (step, seq) index, rather than an OR of pairs the planner must expand."""
+    if not pairs:
+        return {}
+    table = connection.ops.quote_name(Event._meta.db_table)
+    params: list[Any] = []
+    if connection.vendor == "postgresql":
+        values = ", ".join(["(%s::uuid, %s::integer)"] * len(pairs))
+        for step_id, seq in pairs:
+            params += [step_id, seq]
+    else:
+        values = ", ".join(["(%s, %s)"] * len(pairs))
+        for step_id, seq in pairs:
+            params += [step_id.hex, seq]
+    sql = (
+        f"WITH wanted (step_id, seq) AS (VALUES {values}) "  # noqa: S608 - placeholders only
+        f"SELECT e.step_id, e.seq, e.hash FROM wanted w "
+        f"JOIN {table} e ON e.step_id = w.step_id AND e.seq = w.seq"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return {
+            (str(uuid.UUID(str(step_id))), int(seq)): hash_
+            for step_id, seq, hash_ in cursor.fetchall()
+        }
 
 
 def _listed_attempt_findings(listed: dict[str, tuple[str, str, int]]) -> list[Finding]:
@@ -697,6 +832,36 @@ def _listed_attempt_findings(listed: dict[str, tuple[str, str, int]]) -> list[Fi
                     )
                 )
     return findings
+
+
+def checkpoints_prune(*, now: datetime | None = None) -> int:
+    """Deletes the oldest checkpoints whose every listed step belongs to a run archived since
+    (its archive file holds its proof, and a checkpoint records the archive): a new signed
+    checkpoint first records the newest of them (`pruned`), so the chain of those kept still
+    starts from a signed link. Never the newest checkpoint. Returns how many were deleted."""
+    archived = archived_runs()
+    newest = Checkpoint.objects.order_by("-seq").values_list("seq", flat=True).first()
+    if newest is None or not archived:
+        return 0
+    last: tuple[int, str] | None = None
+    rows = (
+        Checkpoint.objects.filter(seq__lt=newest)
+        .order_by("seq")
+        .values_list("seq", "hash", "heads")
+    )
+    for seq, hash_, heads in rows.iterator(chunk_size=1):
+        if any(entry[1] not in archived for entry in heads):
+            break
+        last = (seq, hash_)
+    if last is None:
+        return 0
+    for _ in range(3):
+        if checkpoint_take(now=now, pruned=list(last)) is not None:
+            break
+    else:
+        return 0
+    # Their archive records go with them: no checkpoint kept lists a step of those runs.
+    return int(Checkpoint.objects.filter(seq__lte=last[0])._raw_delete(Checkpoint.objects.db))
 
 
 def _anchor(subject: str, problem: str) -> Finding:

@@ -818,6 +818,14 @@ class Checkpoint(models.Model):
     # `[attempt id, step id, digest]` of every closed attempt of the listed steps: evidence
     # and errors edited, or attempts deleted, after a checkpoint show.
     attempts = models.JSONField(default=list, blank=True)
+    # `[run id, steps, digest, archive file]` of every run archived and deleted since the
+    # checkpoint before (API.md "Retention"): a run that is gone but listed here was
+    # archived, one that is gone and listed nowhere was deleted.
+    archived = models.JSONField(default=list, blank=True)
+    # `[seq, hash]` of the newest checkpoint deleted before this one was taken: every
+    # checkpoint up to it listed only runs archived since, so the chain of those left starts
+    # after it (executor/ledger.py `checkpoints_prune`).
+    pruned = models.JSONField(default=list, blank=True)
     prev_hash = models.CharField(max_length=64, blank=True)
     hash = models.CharField(max_length=64)
 
@@ -837,6 +845,10 @@ class Checkpoint(models.Model):
         }
         if self.attempts:
             content["attempts"] = self.attempts
+        if self.archived:
+            content["archived"] = self.archived
+        if self.pruned:
+            content["pruned"] = self.pruned
         return content
 
 

@@ -101,5 +101,10 @@ def _cost(value: Decimal | None) -> str | None:
     return None if value is None else format(Decimal(value).quantize(COST_PLACES), "f")
 
 
+def content_digest(content: dict[str, Any]) -> str:
+    """SHA-256 of `content`'s canonical JSON (not keyed: what a signed record then names)."""
+    return _digest(content)
+
+
 def _digest(content: dict[str, Any]) -> str:
     return hashlib.sha256(_CANONICAL_WITH_STR.encode(content).encode()).hexdigest()

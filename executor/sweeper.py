@@ -25,6 +25,7 @@ from executor import (
     policy,
     progress,
     recovery,
+    retention,
     services,
 )
 from executor.models import Run, RunStatus, Step, SweeperLease
@@ -90,7 +91,26 @@ def sweep(*, owner: str) -> SweepReport | None:
         release_lease(owner)
     relist_upstreams()
     report.notified = send_notifications(owner)
+    retain(owner=owner)
     return report
+
+
+def retain(*, owner: str) -> None:
+    """The daily retention pass (EXECUTOR_RETENTION_DAYS), outside the sweeper's lease: an
+    archive may take minutes; it holds a lease of its own."""
+    try:
+        retained = retention.retention_pass(owner=owner)
+    except Exception:
+        logger.exception("sweeper: the retention pass failed")
+        return
+    if retained is not None and (retained.runs or retained.kept_changed):
+        logger.info(
+            "sweep: archived %d runs (%d steps) to %s; %d checkpoints pruned",
+            retained.runs,
+            retained.steps,
+            ", ".join(retained.files),
+            retained.checkpoints_pruned,
+        )
 
 
 def relist_upstreams() -> None:

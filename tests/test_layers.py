@@ -60,6 +60,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             # The MCP gateway: upstreams' tools as tools, and this process's sessions with them.
             r"executor\.gateway(\.\w+)?",
             r"executor\.ledger",
+            r"executor\.retention",
             r"executor\.selectors",
             r"executor\.metrics",
             r"executor\.policy",

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 from io import StringIO
 from typing import Any
+from unittest import mock
 
 import pytest
 from django.core.management import CommandError, call_command
@@ -123,7 +124,9 @@ def test_deleting_a_whole_step_is_caught(agent: Agent, run: Run) -> None:
     findings = verify()
 
     assert f"run {run.pk}: holds 2 steps but numbered 3: 1 step(s) were deleted" in findings
-    assert f"step {gone.pk} (in checkpoint 1): was deleted" in findings
+    assert (
+        f"step {gone.pk} (in checkpoint 1): was deleted, and its run was not archived" in findings
+    )
 
 
 def test_deleting_the_newest_step_and_its_number_is_caught_by_the_checkpoint(
@@ -136,7 +139,9 @@ def test_deleting_the_newest_step_and_its_number_is_caught_by_the_checkpoint(
     sql(f"DELETE FROM {STEPS} WHERE id = %s", [gone.pk.hex])
     sql("UPDATE executor_stepcounter SET last_position = 2 WHERE run_id = %s", [run.pk.hex])
 
-    assert verify() == [f"step {gone.pk} (in checkpoint 1): was deleted"]
+    assert verify() == [
+        f"step {gone.pk} (in checkpoint 1): was deleted, and its run was not archived"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -231,7 +236,26 @@ def test_the_sweeper_signs_a_checkpoint_when_one_is_due(
     newest = Checkpoint.objects.order_by("-seq").first()
     assert newest is not None
     assert newest.seq == 2
-    assert {head[0] for head in newest.heads} == {str(s.pk) for s in Step.objects.all()}
+    # Checkpoint 1 lists every step where it stands: nothing changed since, nothing listed.
+    assert newest.heads == []
+
+
+def test_a_checkpoint_lists_each_step_changed_since_the_one_before_once(
+    agent: Agent, run: Run
+) -> None:
+    completed_steps(agent, run)  # checkpoint 1 lists all three
+    # Their moves are within the next ones' overlap window: read again, not listed again.
+    assert ledger.checkpoint_take().heads == []  # type: ignore[union-attr]
+    later, _ = services.step_post(agent=agent, run=run, key="later", tool_name="echo", input={})
+
+    checkpoint = ledger.checkpoint_take()
+
+    assert checkpoint is not None
+    assert [(head[0], head[2]) for head in checkpoint.heads] == [(str(later.pk), 3)]
+    assert ledger.checkpoint_take().heads == []  # type: ignore[union-attr]
+    assert engine.process(later.pk, worker="w1") == State.COMPLETED
+    assert [head[0] for head in ledger.checkpoint_take().heads] == [str(later.pk)]  # type: ignore[union-attr]
+    assert ledger.verify_ledger().findings == []
 
 
 # --- approvals, attempts, run events and budgets are in the chain too ------------------------
@@ -530,14 +554,13 @@ def test_against_a_file_that_holds_no_heads_is_refused(
 
 
 def test_since_verifies_what_changed_after_that_checkpoint(agent: Agent, run: Run) -> None:
-    old = completed_steps(agent, run)  # checkpoint 1
+    with mock.patch("django.utils.timezone.now", return_value=timezone.now() - timedelta(hours=1)):
+        completed_steps(agent, run)  # checkpoint 1, an hour ago
     later, _ = services.step_post(agent=agent, run=run, key="later", tool_name="echo", input={})
     assert engine.process(later.pk, worker="w1") == State.COMPLETED
-    Step.objects.filter(pk__in=[s.pk for s in old]).update(
-        updated_at=timezone.now() - timedelta(hours=1)
-    )
-    Checkpoint.objects.update(taken_at=timezone.now() - timedelta(minutes=30))
-    assert ledger.checkpoint_take() is not None  # checkpoint 2 lists `later`
+    checkpoint = ledger.checkpoint_take()
+    assert checkpoint is not None
+    assert [head[0] for head in checkpoint.heads] == [str(later.pk)]  # checkpoint 2
     sql(f"UPDATE {STEPS} SET external_id = %s WHERE id = %s", ["forged", later.pk.hex])
 
     out = StringIO()

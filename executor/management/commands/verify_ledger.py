@@ -1,14 +1,15 @@
-"""`manage.py verify_ledger [--step UUID] [--since N] [--against FILE] [--checkpoint]`: the
-ledger's tamper evidence (DESIGN.md §15)."""
+"""`manage.py verify_ledger [--step UUID] [--since N] [--against FILE] [--checkpoint]
+[--archive PATH]`: the ledger's tamper evidence (DESIGN.md §15), or an archive's."""
 
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from executor import ledger
+from executor import ledger, retention
 from executor.models import Step
 
 
@@ -42,6 +43,13 @@ class Command(BaseCommand):
             "or logs holding the 'checkpoint signed' lines): each must still be in the database",
         )
         parser.add_argument(
+            "--archive",
+            metavar="PATH",
+            help="verify an archive of archive_runs instead of the database: a .jsonl.gz file, "
+            "its manifest, or a folder of them (the chains in it, its signature, and the "
+            "digest this database's checkpoints recorded for each of its runs)",
+        )
+        parser.add_argument(
             "--checkpoint",
             action="store_true",
             help="after a clean verification, sign a checkpoint of where every chain stands",
@@ -50,6 +58,9 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         if options["chunk_size"] < 1:
             raise CommandError("--chunk-size must be at least 1")
+        if options["archive"]:
+            self.verify_archives(Path(options["archive"]))
+            return
         if options["step"]:
             try:
                 step_id = uuid.UUID(options["step"])
@@ -87,3 +98,25 @@ class Command(BaseCommand):
         if options["checkpoint"]:
             report.newest_checkpoint = ledger.checkpoint_take() or report.newest_checkpoint
         self.stdout.write(ledger.describe(report.newest_checkpoint))
+
+    def verify_archives(self, path: Path) -> None:
+        if not path.exists():
+            raise CommandError(f"--archive: {path} does not exist")
+        files = retention.archive_files(path)
+        if not files:
+            raise CommandError(f"--archive: {path} holds no archive (*.jsonl.gz)")
+        broken = 0
+        for file in files:
+            try:
+                report = retention.verify_archive(file)
+            except retention.ArchiveError as error:
+                raise CommandError(f"--archive: {error}") from None
+            for finding in report.findings:
+                self.stdout.write(self.style.ERROR(f"{file.name}: {finding}"))
+            broken += len(report.findings)
+            line = f"{file.name}: {report.summary()}"
+            self.stdout.write(
+                self.style.ERROR(line) if report.findings else self.style.SUCCESS(line)
+            )
+        if broken:
+            raise CommandError(f"the archive is broken: {broken} break(s) found")
