@@ -35,7 +35,10 @@ from executor.models import (
     Run,
     RunEvent,
     RunStatus,
+    RunStepCount,
+    Signoff,
     Step,
+    StepClaim,
     StepCounter,
     SweeperLease,
 )
@@ -62,6 +65,7 @@ MODELS: dict[str, type[models.Model]] = {
     "step": Step,
     "event": Event,
     "approval": Approval,
+    "signoff": Signoff,
     "attempt": Attempt,
 }
 MANIFEST_SUFFIX = ".manifest.json"
@@ -145,6 +149,8 @@ def _run_lines(run: Run) -> Iterator[tuple[str, models.Model]]:
         for name, rows in (
             ("event", Event.objects.filter(step_id__in=ids).order_by("step_id", "seq")),
             ("approval", Approval.objects.filter(step_id__in=ids).order_by("pk")),
+            # A require_two rule's first reviewers (docs/rules.md): who approved is the record.
+            ("signoff", Signoff.objects.filter(step_id__in=ids).order_by("pk")),
             ("attempt", Attempt.objects.filter(step_id__in=ids).order_by("step_id", "number")),
         ):
             grouped: dict[uuid.UUID, list[models.Model]] = {}
@@ -153,7 +159,7 @@ def _run_lines(run: Run) -> Iterator[tuple[str, models.Model]]:
             related[name] = grouped
         for step in steps:
             yield "step", step
-            for name in ("event", "approval", "attempt"):
+            for name in ("event", "approval", "signoff", "attempt"):
                 for record in related[name].get(step.pk, []):
                     yield name, record
         last = steps[-1].position
@@ -332,6 +338,7 @@ def _read_runs(
                     while (line := next_line()) is not None and line["model"] in (
                         "event",
                         "approval",
+                        "signoff",
                         "attempt",
                     ):
                         row = instance_of(line["model"], line["row"])
@@ -343,6 +350,8 @@ def _read_runs(
                             approvals.append(row)
                         elif isinstance(row, Attempt):
                             attempts.append(row)
+                        # A signoff is kept, not chained: its approval's Event names both
+                        # reviewers (docs/rules.md), and that Event is verified.
                     if line is not None:
                         push_back(line)
                     report.steps += 1
@@ -509,9 +518,12 @@ def _run_delete(run: Run, *, digest: str, batch: int) -> bool:
             if not ids:
                 RunEvent.objects.filter(run=run)._raw_delete(db)
                 StepCounter.objects.filter(run=run)._raw_delete(db)
+                # Derived counts, not the ledger (no foreign key): they leave with the run.
+                RunStepCount.objects.filter(run_id=run.pk)._raw_delete(db)
                 Run.objects.filter(pk=run.pk)._raw_delete(db)
                 return True
-            for model in (Event, Approval, Attempt):
+            # A claim is a note between reviewers, not a record: it is not archived.
+            for model in (StepClaim, Event, Signoff, Approval, Attempt):
                 model.objects.filter(step_id__in=ids)._raw_delete(db)
             Step.objects.filter(pk__in=ids)._raw_delete(db)
 

@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             r"executor\.logcontext",
             r"executor\.management(\.commands)?",
             r"console",
-            r"console\.(settings|celery|broker|storage|http|security|serving|asgi|wsgi)",
+            r"console\.(settings|celery|broker|storage|http|security|serving|asgi|wsgi|cli)",
             r"console\.templatetags(\..*)?",
         ],
     ),
@@ -61,6 +61,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             r"executor\.gateway(\.\w+)?",
             r"executor\.ledger",
             r"executor\.retention",
+            r"executor\.counters",
             r"executor\.selectors",
             r"executor\.metrics",
             r"executor\.policy",
@@ -77,7 +78,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     (
         "entry points",
         [
-            r"executor\.(tasks|api|signals|admin|apps|demo|mcp|mcp_server)",
+            r"executor\.(tasks|api|signals|admin|apps|demo|mcp|mcp_server|checks)",
             r"executor\.drill(\..*)?",
             r"executor\.management\.commands\.\w+",
         ],

@@ -27,7 +27,10 @@ from executor.models import (
     Event,
     Run,
     RunEvent,
+    RunStepCount,
+    Signoff,
     Step,
+    StepClaim,
     StepCounter,
     Workspace,
 )
@@ -399,3 +402,38 @@ def test_the_checkpoints_read_of_what_changed_uses_the_events_time_index(
         plan = "\n".join(row[0] for row in cursor.fetchall())
 
     assert "event_created_brin" in plan, plan
+
+
+def test_a_runs_signoffs_are_archived_and_its_claims_and_counts_leave_with_it(
+    ledger_with_runs: dict[str, Any], reviewer: Any, tmp_path: Path
+) -> None:
+    """Rows other features keep beside a step: a require_two rule's first reviewer (part of
+    the record: archived), a reviewer's claim and the run's step counts (not records: gone)."""
+    done = ledger_with_runs["done"]
+    approved = Step.objects.get(run=done, key="approved")
+    approval = approved.approvals.get()
+    Signoff.objects.create(
+        step=approved,
+        approver=reviewer,
+        input_hash=approved.input_hash,
+        policy_version=approval.policy_version,
+        reason="first of two",
+        signed_at=approval.approved_at,
+        approval=approval,
+    )
+    now = timezone.now()
+    StepClaim.objects.create(
+        step=approved, user=reviewer, claimed_at=now, expires_at=now + timedelta(minutes=15)
+    )
+    assert RunStepCount.objects.filter(run_id=done.pk).exists()  # kept by the triggers
+
+    archive(tmp_path)
+
+    assert not Signoff.objects.filter(step_id=approved.pk).exists()
+    assert not StepClaim.objects.filter(step_id=approved.pk).exists()
+    assert not RunStepCount.objects.filter(run_id=done.pk).exists()
+    [file] = sorted(tmp_path.glob("*.jsonl.gz"))
+    with gzip.open(file, "rt") as lines:
+        kinds = [json.loads(line)["model"] for line in lines]
+    assert kinds.count("signoff") == 1
+    assert verify("--archive", str(tmp_path))[-1].endswith("0 broken")

@@ -23,7 +23,7 @@ def drop_event_time(apps, schema_editor):
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("executor", "0012_chain_covers_runs_approvals_attempts"),
+        ("executor", "0019_page_indexes_and_hot_tables"),
     ]
 
     operations = [
