@@ -93,7 +93,10 @@ class Up:
     var: Path
 
     def localize(self, text: str) -> str:
-        return re.sub(r"\b8765\b", str(self.desk_port), re.sub(r"\b8000\b", str(self.port), text))
+        """The block as a user of these ports runs it: the examples it names are copies
+        pointed at them (as such a user edits them)."""
+        ported = re.sub(r"\b8765\b", str(self.desk_port), re.sub(r"\b8000\b", str(self.port), text))
+        return ported.replace("examples/", f"{self.var / 'examples'}/")
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +156,10 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
         )
         assert isinstance(token, str)
         env.update(TOKEN=token, STEPWARD_TOKEN=token)
+        (var / "examples").mkdir()
+        for example in (ROOT / "examples").iterdir():
+            ported = re.sub(r"\b8765\b", str(desk_port), example.read_text())
+            (var / "examples" / example.name).write_text(ported)
         yield Up(port=port, desk_port=desk_port, token=token, env=env, var=var)
     finally:
         os.killpg(process.pid, signal.SIGTERM)
