@@ -244,23 +244,22 @@ def test_bulk_input_that_is_not_a_decision_is_refused(bob: Client, agent: Agent,
     assert reload(step).state == State.PLANNED
 
 
-def test_a_step_left_planned_by_the_service_is_reported_waiting_not_approved(
-    monkeypatch: pytest.MonkeyPatch, reviewer: User, agent: Agent, run: Run
+def test_a_first_of_two_approvals_is_reported_waiting_not_approved(
+    reviewer: User, agent: Agent, run: Run
 ) -> None:
-    """An approval service that records the first of two approvals leaves the step planned:
-    the bulk result says so, with the service's own words."""
+    """A require_two rule (docs/rules.md): the first reviewer's approval leaves the step
+    planned, and the bulk result says so, with the service's own words."""
+    services.rules_load(
+        tables=[{"tool": "console.gated", "when": "true", "action": "require_two", "reason": "two"}]
+    )
     step = planned(agent, run, key="big-refund")
-
-    def first_of_two(*, step: Step, user: User, version: int, reason: str) -> Step:
-        return step
-
-    monkeypatch.setattr(services, "step_approve", first_of_two)
     (result,) = decisions.decide_many(
         name="approve", steps=[(step, step.version)], user=reviewer, reason="ok"
     )
     assert result.outcome == decisions.BulkOutcome.WAITING
     assert not result.landed
-    assert result.message == "Approved."  # what the service's decision said, as it said it
+    assert "second" in result.message.lower() or "another" in result.message.lower()
+    assert Step.objects.get(pk=step.pk).state == State.PLANNED
 
 
 # --- claims -------------------------------------------------------------------------------

@@ -130,12 +130,12 @@ def test_the_inbox_reads_what_waits_not_what_is_done(agent: Agent, run: Run) -> 
 
     with CaptureQueriesContext(connection) as queries:
         counts = selectors.inbox_counts(inbox=inbox)
-        page, cursor = selectors.inbox_page(inbox=inbox, size=25)
-        selectors.inbox_page(inbox=inbox, size=25, after=cursor)
+        page = selectors.inbox_page(inbox=inbox, size=25)
+        selectors.inbox_page(inbox=inbox, size=25, after=page.next)
 
     assert counts["all"]["unknown"] == 60
     assert counts["all"]["dead"] == 20
-    assert len(page) == 25
+    assert len(page.rows) == 25
     assert len(queries.captured_queries) == 3
     for query, tree in zip(queries.captured_queries, plans(queries), strict=True):
         assert_bounded(query, tree, most=1_000)

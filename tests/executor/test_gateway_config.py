@@ -257,7 +257,7 @@ def test_a_tools_file_holds_tools_and_upstreams(tmp_path: Path) -> None:
             "tools": {"git_commit": {"approval": "always"}},
         }
     ]
-    path.write_text('[[rule]]\ntool = "x"\n')
+    path.write_text('[[hook]]\ntool = "x"\n')
     with pytest.raises(ToolFileError, match="unknown table"):
         read_tool_file(path)
 
