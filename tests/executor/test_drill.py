@@ -503,9 +503,9 @@ def test_drill_refuses_a_file_that_does_not_load_and_writes_nothing(
     assert expected in message
 
 
-def test_the_reference_desk_tools_file_holds_the_readme_example_word_for_word() -> None:
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Add your own tool") :]
+def test_the_reference_desk_tools_file_holds_the_docs_example_word_for_word() -> None:
+    text = (ROOT / "docs" / "tools.md").read_text()
+    section = text[text.index("**As data: HTTP tools.**") :]
     match = re.search(r"```toml\n(.*?)```", section, flags=re.DOTALL)
     assert match is not None
     readme = tomllib.loads(match.group(1))["tool"]

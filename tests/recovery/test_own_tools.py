@@ -1,6 +1,6 @@
 """A deployment's own tools with real processes (API.md "Your own tools"): a Python tool from
 a module named in STEPWARD_TOOLS, and HTTP tools loaded from TOML, run by a real worker
-against the desk, posted through the agents' HTTP API. The two examples are the README's
+against the desk, posted through the agents' HTTP API. The two examples are docs/tools.md's
 own, copied from it here, so the docs cannot drift.
 """
 
@@ -27,23 +27,20 @@ from tests.support.cluster import Cluster
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+TOOLS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "tools.md"
 MAKE_RUN_DESK = "http://127.0.0.1:8765"
 
 
 def readme_example(language: str) -> str:
-    """The first ```language block of the README's "Add your own tool" section."""
-    text = README.read_text()
-    section = text[text.index("## Add your own tool") :]
-    section = section[: section.index("\n## ", 1)]
-    match = re.search(rf"```{language}\n(.*?)```", section, flags=re.DOTALL)
-    assert match, f"no {language} example in the README's 'Add your own tool'"
+    """The first ```language block of docs/tools.md ("Add your own tool")."""
+    match = re.search(rf"```{language}\n(.*?)```", TOOLS_PAGE.read_text(), flags=re.DOTALL)
+    assert match, f"no {language} example in docs/tools.md"
     return match.group(1)
 
 
 @pytest.fixture
 def tool_env(cluster: Cluster, tmp_path: Path, settings: Any) -> Iterator[dict[str, str]]:
-    """The README's Python example as a module on the path, and the allow-list for the desk;
+    """docs/tools.md's Python example as a module on the path, and the allow-list for the desk;
     the same for the workers this test starts."""
     (tmp_path / "acme_tools.py").write_text(readme_example("python"))
     desk_host = f"127.0.0.1:{cluster.desk.port}"
@@ -82,7 +79,7 @@ def load_readme_tools(
     monkeypatch: pytest.MonkeyPatch,
     edits: tuple[tuple[str, str], ...] = (),
 ) -> None:
-    """Loads the README's TOML example against this test's desk; every agent may use it."""
+    """Loads docs/tools.md's TOML example against this test's desk; every agent may use it."""
     monkeypatch.setenv("DESK_TOKEN", "desk-token-for-the-test")
     text = readme_example("toml")
     for old, new in edits:
@@ -117,7 +114,7 @@ def test_an_http_tool_from_toml_completes_through_a_503_with_one_effect(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # The README's tool, made safe to repeat: the desk's keyed route and the header.
+    # docs/tools.md's tool, made safe to repeat: the desk's keyed route and the header.
     load_readme_tools(
         cluster,
         tmp_path,
