@@ -32,8 +32,16 @@ TEMPLATES = [
         "OPTIONS": {"context_processors": ["django.template.context_processors.request"]},
     }
 ]
+# The provider serves on threads: two sign-ins that exchange their codes at once write at
+# once. SQLite's deferred transactions fail a read lock's upgrade at once ("database is
+# locked", a 500 at the token endpoint); taking the write lock when a transaction begins
+# makes the second wait its turn (up to `timeout` seconds) instead.
 DATABASES = {
-    "default": {"ENGINE": "django.db.backends.sqlite3", "NAME": os.environ["OIDC_PROVIDER_DB"]}
+    "default": {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": os.environ["OIDC_PROVIDER_DB"],
+        "OPTIONS": {"transaction_mode": "IMMEDIATE", "timeout": 30},
+    }
 }
 # A browser keeps cookies per host, not per port: the console on the same host must not
 # have its session cookie overwritten by the provider's.
