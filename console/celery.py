@@ -19,9 +19,9 @@ app.config_from_object("django.conf:settings", namespace="CELERY")
 # this is set (it reads the name as it stands, not through the namespace): each drain then
 # opened a new PostgreSQL backend. The connections are kept for this many tasks instead, and
 # Django's own rules (CONN_MAX_AGE, health checks) close an unusable or old one before each
-# task (executor/tasks.py).
+# task (executor/worker/tasks.py).
 app.conf.update(CELERY_DB_REUSE_MAX=100)
-app.autodiscover_tasks(["executor"])
+app.autodiscover_tasks(["executor.worker"])
 
 
 def ensure_filesystem_broker() -> None:

@@ -18,7 +18,7 @@ urlpatterns = [
     path("steps/<uuid:pk>/release/", views.step_release, name="step_release"),
     path("steps/<uuid:pk>/decisions/", views.step_decisions, name="step_decisions"),
     path("steps/<uuid:pk>/timeline/", views.step_timeline, name="step_timeline"),
-    # Every decision of executor/decisions.py, by its name.
+    # Every decision of executor/services/decisions.py, by its name.
     path("steps/<uuid:pk>/decide/<slug:name>/", views.step_decide, name="step_decide"),
     path("runs/", views.runs, name="runs"),
     path("runs/<uuid:pk>/", views.run_page, name="run"),

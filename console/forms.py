@@ -10,8 +10,8 @@ from typing import Any
 from django import forms
 from django.core.exceptions import ValidationError
 
-from executor.models import RunStatus, Workspace
-from executor.selectors import DecisionKind, InboxKind, InboxSort
+from executor.ledger.records import RunStatus, Workspace
+from executor.ledger.selectors import DecisionKind, InboxKind, InboxSort
 
 REASON_REQUIRED = "Give a reason: it is recorded with your decision."
 PAGE_SIZE = 25

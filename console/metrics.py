@@ -10,7 +10,7 @@ from django.views.decorators.http import require_GET
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
-from executor.metrics import LedgerCollector
+from executor.surfaces.metrics import LedgerCollector
 
 
 @require_GET

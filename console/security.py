@@ -15,7 +15,7 @@ from django.contrib.auth.forms import PasswordResetForm
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.utils.cache import add_never_cache_headers
 
-from executor import limits
+from executor.surfaces import limits
 
 
 class NoStoreMiddleware:

@@ -28,7 +28,7 @@ from django.conf import settings
 from django.http import HttpRequest
 from whitenoise.middleware import WhiteNoiseMiddleware
 
-from executor.http import API_PREFIX, error_response
+from executor.surfaces.http import API_PREFIX, error_response
 
 
 def pooled(database: dict[str, Any]) -> dict[str, Any]:

@@ -142,7 +142,7 @@ MIDDLEWARE = [
     "console.serving.StaticFiles",
     # Below whitenoise: static files keep their long cache lifetimes.
     "console.security.NoStoreMiddleware",
-    "executor.http.ApiEdgeMiddleware",
+    "executor.surfaces.http.ApiEdgeMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -348,7 +348,7 @@ API_MAX_WAITS_PER_AGENT = env_int("API_MAX_WAITS_PER_AGENT", 2)
 API_MAX_WAITS = env_int("API_MAX_WAITS", 1000)
 # ...and one web process's. Under WSGI keep it below its request threads (gunicorn
 # --threads), so that waits never hold the threads other requests need; under ASGI (the
-# uvicorn worker) a wait holds no thread and no connection (executor/waits.py).
+# uvicorn worker) a wait holds no thread and no connection (executor/surfaces/waits.py).
 API_MAX_WAITS_PER_PROCESS = env_int("API_MAX_WAITS_PER_PROCESS", 4)
 API_MAX_WAITS_PER_EVENT_LOOP = env_int("API_MAX_WAITS_PER_EVENT_LOOP", 500)
 # Requests with a missing or unknown token, per client address ("" or "off": no limit).
@@ -447,17 +447,17 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 
 # LOG_FORMAT=json: one JSON object a line, with the step, run, workspace and attempt each
-# line is about (executor/logcontext.py); otherwise plain text with the same fields.
+# line is about (executor/common/logcontext.py); otherwise plain text with the same fields.
 LOG_FORMAT = os.environ.get("LOG_FORMAT", "plain")
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {
         "plain": {
-            "()": "executor.logcontext.PlainFormatter",
+            "()": "executor.common.logcontext.PlainFormatter",
             "format": "%(asctime)s %(levelname)s %(name)s: %(message)s",
         },
-        "json": {"()": "executor.logcontext.JsonFormatter"},
+        "json": {"()": "executor.common.logcontext.JsonFormatter"},
     },
     "handlers": {
         "console": {
@@ -477,8 +477,8 @@ LOGGING = {
         "httpx": {"level": "WARNING"},
         "httpcore": {"level": "WARNING"},
         # Apprise logs the URL it could not parse, credentials and all: its lines go nowhere
-        # but to executor/notify.py, which reads them while it sends and keeps the error,
-        # redacted, on the delivery (admin).
+        # but to executor/notifications/outbox.py, which reads them while it sends and keeps
+        # the error, redacted, on the delivery (admin).
         "apprise": {"handlers": ["discard"], "propagate": False, "level": "ERROR"},
     },
 }

@@ -6,8 +6,8 @@ from django.urls import include, path
 from console.metrics import metrics
 from console.security import PasswordResetView
 from console.signin import SignInCallback, SignInPage, SignInStart
-from executor.api import api
-from executor.mcp_server import mcp_http
+from executor.surfaces.api import api
+from executor.surfaces.mcp_server import mcp_http
 
 urlpatterns = [
     path("admin/", admin.site.urls),

@@ -1,11 +1,11 @@
 """The reviewers' screens (DESIGN.md §12): inbox, step, runs, and the decisions on them.
 
 Views stay thin: they find the object the reviewer may see, check the permission the
-decision needs, and hand over to `executor.services`; reads come from `executor.selectors`.
+decision needs, and hand over to `executor.services`; reads come from `executor.ledger.selectors`.
 
 Why one module of about 800 lines: one short view per console page and the helpers they
 share; every decision on a step goes through one view, `step_decide`, driven by
-`executor.decisions`.
+`executor.services.decisions`.
 """
 
 from __future__ import annotations
@@ -59,8 +59,9 @@ from console.forms import (
     RunFilterForm,
 )
 from console.http import HtmxHttpRequest, ReviewerRequest
-from executor import decisions, selectors, services
-from executor.models import (
+from executor.common.redaction import redact_text
+from executor.ledger import selectors
+from executor.ledger.records import (
     DrillReport,
     Event,
     Run,
@@ -70,9 +71,13 @@ from executor.models import (
     WorkspaceGroupObjectPermission,
     WorkspaceUserObjectPermission,
 )
-from executor.redaction import redact_text
-from executor.selectors import Cursor, InboxFilter, InboxKind, InboxSort
-from executor.states import IN_FLIGHT, INBOX, PROGRESS_ORDER, REPORT_SECTIONS, State
+from executor.ledger.selectors import Cursor, InboxFilter, InboxKind, InboxSort
+from executor.ledger.states import IN_FLIGHT, INBOX, PROGRESS_ORDER, REPORT_SECTIONS, State
+from executor.services import decisions, desk, reviews
+from executor.services.base import AlreadyHandled, Conflict, Invalid, NotPermitted
+from executor.services.desk import claims_clear
+from executor.services.reviews import approval_permission, requested_by, step_approval_status
+from executor.services.runs import run_extend_budget
 
 # Client-side event that tells the navigation counts to refresh at once.
 INBOX_CHANGED = "inbox-changed"
@@ -297,8 +302,7 @@ def _inbox_context(request: ReviewerRequest, params: QueryDict) -> dict[str, Any
                 "step": step,
                 "kind": selectors.inbox_kind_of(step),
                 "can_replay": step.state == State.DEAD and "replay_deadletter" in may,
-                "can_decide": step.state == State.PLANNED
-                and services.approval_permission(step) in may,
+                "can_decide": step.state == State.PLANNED and approval_permission(step) in may,
                 "claim": held if held is not None and held.held(now) else None,
             }
         )
@@ -379,7 +383,7 @@ def deadletters_replay(request: ReviewerRequest) -> HttpResponse:
     for step in steps.values():
         if not _may(request.user, "replay_deadletter", step.run.workspace):
             return answer(403, error=_refusal("replay_deadletter", step.run.workspace))
-    done, refused = services.deadletters_replay(
+    done, refused = reviews.deadletters_replay(
         steps=[(steps[pk], version) for pk, version in picked],
         user=request.user,
         reason=form.cleaned_data["reason"],
@@ -437,7 +441,7 @@ def steps_bulk_decide(request: ReviewerRequest) -> HttpResponse:
         user=request.user,
         reason=form.cleaned_data["reason"],
     )
-    services.claims_clear(step_ids=[r.step.pk for r in results if r.landed])
+    claims_clear(step_ids=[r.step.pk for r in results if r.landed])
     status = 200 if any(result.landed for result in results) else 409
     if request.htmx:
         return answer(status, results=results)
@@ -474,10 +478,10 @@ def _claim_answer(
 def step_claim(request: ReviewerRequest, pk: Any) -> HttpResponse:
     step = _get_step_for_user(request, pk)
     try:
-        claim = services.step_claim(step=step, user=request.user)
-    except services.NotPermitted as error:
+        claim = desk.step_claim(step=step, user=request.user)
+    except NotPermitted as error:
         return _claim_answer(request, step, status=403, error=error.message)
-    except services.Conflict as error:
+    except Conflict as error:
         return _claim_answer(request, step, status=409, error=error.message)
     return _claim_answer(
         request, step, notice=f"You are handling this step until {claim.expires_at:%H:%M} UTC."
@@ -489,10 +493,10 @@ def step_claim(request: ReviewerRequest, pk: Any) -> HttpResponse:
 def step_release(request: ReviewerRequest, pk: Any) -> HttpResponse:
     step = _get_step_for_user(request, pk)
     try:
-        services.step_release(step=step, user=request.user)
-    except services.NotPermitted as error:
+        desk.step_release(step=step, user=request.user)
+    except NotPermitted as error:
         return _claim_answer(request, step, status=403, error=error.message)
-    except services.Conflict as error:
+    except Conflict as error:
         return _claim_answer(request, step, status=409, error=error.message)
     return _claim_answer(request, step, notice="Released: anyone may take it.")
 
@@ -593,11 +597,11 @@ def _step_context(
         "step": step,
         "run": step.run,
         "tool": tool,
-        "asked_by": _asked_by(services.requested_by(step)),
+        "asked_by": _asked_by(requested_by(step)),
         "approving": selectors.approval_to_give(step=step, tool=tool)
         if step.state == State.PLANNED
         else None,
-        "approval_status": services.step_approval_status(step),
+        "approval_status": step_approval_status(step),
         "decisions": offers,
         "decision_notes": notes,
         # A failure that belongs to no form on the page (the step moved on) shows on top.
@@ -678,7 +682,7 @@ def step_timeline(request: ReviewerRequest, pk: Any) -> HttpResponse:
 @require_POST
 @reviewer_required
 def step_decide(request: ReviewerRequest, pk: Any, name: str) -> HttpResponse:
-    """Carries out one decision of the table (executor/decisions.py) on a step.
+    """Carries out one decision of the table (executor/services/decisions.py) on a step.
 
     404 for a step the reviewer may not see or a decision that does not exist, 403 without
     the permission, 422 for a form error, 409 when the step changed since the reviewer
@@ -706,20 +710,20 @@ def step_decide(request: ReviewerRequest, pk: Any, name: str) -> HttpResponse:
         return refuse(422, _form_problem(form))
     try:
         notice = decision.act(step, request.user, form.cleaned_data)
-    except services.NotPermitted as error:
+    except NotPermitted as error:
         return refuse(403, error.message)
-    except services.AlreadyHandled as error:
+    except AlreadyHandled as error:
         return refuse(409, _handled_message(step, form.cleaned_data["version"], error))
-    except services.Conflict as error:
+    except Conflict as error:
         return refuse(409, error.message, keep_form=False)
-    except services.Invalid as error:
+    except Invalid as error:
         for field_name, problems in (error.details or {}).items():
             if field_name in form.fields:
                 form.add_error(field_name, problems)
         return refuse(422, error.message)
     fresh = _get_step_for_user(request, pk)
     if fresh.state not in INBOX:
-        services.claims_clear(step_ids=[fresh.pk])
+        claims_clear(step_ids=[fresh.pk])
     if request.htmx:
         response = _render(
             request,
@@ -745,7 +749,7 @@ def _form_problem(form: DecisionForm) -> str:
     return "Nothing was decided: check the field marked below."
 
 
-def _handled_message(step: Step, seen: int, error: services.AlreadyHandled) -> str:
+def _handled_message(step: Step, seen: int, error: AlreadyHandled) -> str:
     """Names the first move after the version the reviewer saw: that is who beat them.
 
     The service names the newest event, which after an approval is the policy's own
@@ -940,7 +944,7 @@ def run_extend(request: ReviewerRequest, pk: Any) -> HttpResponse:
         return refuse(422, _form_problem(form))
     data = form.cleaned_data
     try:
-        services.run_extend_budget(
+        run_extend_budget(
             run=run,
             user=request.user,
             version=data["version"],
@@ -950,13 +954,13 @@ def run_extend(request: ReviewerRequest, pk: Any) -> HttpResponse:
             extend_deadline_seconds=(data.get("extend_minutes") or 0) * 60,
             resume=bool(data.get("resume")),
         )
-    except services.NotPermitted as error:
+    except NotPermitted as error:
         return refuse(403, error.message)
-    except services.AlreadyHandled as error:
+    except AlreadyHandled as error:
         return refuse(409, error.message, keep_form=False)
-    except services.Conflict as error:
+    except Conflict as error:
         return refuse(409, error.message)
-    except services.Invalid as error:
+    except Invalid as error:
         return refuse(422, error.message)
     fresh = _get_run_for_user(request, pk)
     notice = "Budget extended" + (" and run resumed." if fresh.status == RunStatus.OPEN else ".")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from executor.client import Step, Stepward
+from stepward_client import Step, Stepward
 
 
 def model(history: list[Step]) -> tuple[str, dict[str, Any]] | None:

@@ -11,8 +11,9 @@ class ExecutorConfig(AppConfig):
     def ready(self) -> None:
         from django.conf import settings
 
-        from executor import checks, limits, signals  # noqa: F401
-        from executor.logcontext import install_record_factory
+        from executor import signals  # noqa: F401
+        from executor.common.logcontext import install_record_factory
+        from executor.surfaces import limits
         from executor.tools import outbound
         from executor.tools.loader import load_tools
 

@@ -15,7 +15,7 @@ from django.dispatch import receiver
 def sync_tools_after_migrate(sender: Any, **kwargs: Any) -> None:
     if getattr(sender, "name", "") != "executor":
         return
-    from executor.services import tools_sync
+    from executor.services.tools import tools_sync
 
     tools_sync(using=kwargs.get("using", "default"))
 
@@ -36,7 +36,7 @@ def notification_triggers_after_migrate(sender: Any, **kwargs: Any) -> None:
         return
     from django.db import connections
 
-    from executor import triggers
+    from executor.notifications import triggers
 
     connection = connections[kwargs.get("using", "default")]
     if "executor_notification" in connection.introspection.table_names():
@@ -47,19 +47,19 @@ def notification_triggers_after_migrate(sender: Any, **kwargs: Any) -> None:
 def notify_urls_check(app_configs: Any, **kwargs: Any) -> list[checks.CheckMessage]:
     """A NOTIFY_URLS entry Apprise cannot send to stops startup, named (masked) and numbered,
     rather than fail at every sweep."""
-    from executor import notify
+    from executor.notifications import outbox
 
     found: list[checks.CheckMessage] = []
     for number, url in enumerate(settings.NOTIFY_URLS, start=1):
-        problem = notify.url_problem(url)
+        problem = outbox.url_problem(url)
         if problem:
             found.append(
                 checks.Error(
-                    f"NOTIFY_URLS entry {number} ({notify.masked(url)}): {problem}",
+                    f"NOTIFY_URLS entry {number} ({outbox.masked(url)}): {problem}",
                     id="stepward.E101",
                 )
             )
-        elif notify.scheme_of(url) in notify.WEBHOOK_SCHEMES and not settings.NOTIFY_SIGNING_KEY:
+        elif outbox.scheme_of(url) in outbox.WEBHOOK_SCHEMES and not settings.NOTIFY_SIGNING_KEY:
             found.append(
                 checks.Warning(
                     f"NOTIFY_URLS entry {number} is a JSON webhook and NOTIFY_SIGNING_KEY is "

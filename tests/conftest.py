@@ -10,9 +10,11 @@ from django.contrib.auth import get_user_model
 from django.core.cache import caches
 from django.core.cache.backends.locmem import LocMemCache
 
-from executor import dispatch, services
+from executor.common import dispatch
 from executor.gateway.connections import gateway
-from executor.models import Agent, Workspace
+from executor.ledger.records import Agent, Workspace
+from executor.services.accounts import agent_create, reviewer_create, workspace_get_or_create
+from executor.services.runs import run_create
 from tests.support.api import AgentAuth, ApiClient
 from tests.support.upstreams import GitRepo, Upstream, git_repo, upstream
 
@@ -60,17 +62,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture
 def workspace(db: Any) -> Workspace:
-    return services.workspace_get_or_create(slug="acme", name="Acme")
+    return workspace_get_or_create(slug="acme", name="Acme")
 
 
 @pytest.fixture
 def other_workspace(db: Any) -> Workspace:
-    return services.workspace_get_or_create(slug="globex", name="Globex")
+    return workspace_get_or_create(slug="globex", name="Globex")
 
 
 @pytest.fixture
 def agent_auth(workspace: Workspace) -> AgentAuth:
-    agent, token = services.agent_create(workspace=workspace, name="alice-bot")
+    agent, token = agent_create(workspace=workspace, name="alice-bot")
     return AgentAuth(agent, token)
 
 
@@ -81,7 +83,7 @@ def agent(agent_auth: AgentAuth) -> Agent:
 
 @pytest.fixture
 def other_agent_auth(other_workspace: Workspace) -> AgentAuth:
-    agent, token = services.agent_create(workspace=other_workspace, name="mallory-bot")
+    agent, token = agent_create(workspace=other_workspace, name="mallory-bot")
     return AgentAuth(agent, token)
 
 
@@ -107,19 +109,17 @@ def owner(db: Any) -> Any:
 
 @pytest.fixture
 def reviewer(workspace: Workspace) -> Any:
-    return services.reviewer_create(workspace=workspace, username="bob", password="bob-pw")
+    return reviewer_create(workspace=workspace, username="bob", password="bob-pw")
 
 
 @pytest.fixture
 def outsider(other_workspace: Workspace) -> Any:
-    return services.reviewer_create(
-        workspace=other_workspace, username="charlie", password="charlie-pw"
-    )
+    return reviewer_create(workspace=other_workspace, username="charlie", password="charlie-pw")
 
 
 @pytest.fixture
 def run(agent: Agent) -> Any:
-    run, _ = services.run_create(agent=agent, name="test run")
+    run, _ = run_create(agent=agent, name="test run")
     return run
 
 

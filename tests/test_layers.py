@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -14,24 +16,42 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Bottom to top. A module may import modules of its own layer or below; never above.
+# The house (executor/): each folder is one concern, and a module's layer below says which
+# way its imports may point. Bottom to top; a module may import modules of its own layer or
+# below, never above.
+#
+#   common/         redaction, messages to the workers, named faults, log context, the
+#                   approval rules' condition language (CEL)
+#   contract/       the tool contract (tool authors import it through `executor.tools`)
+#   ledger/         the records, the only code that moves them, the chain, the reads
+#   tools/          the concrete tools;   gateway/  upstream MCP servers' tools
+#   policy/         authorization, approval rules' simulation, per-tool limits
+#   engine/         claiming, calls, commit points, leases, progress, recovery
+#   worker/         what a Celery worker runs: the tasks and the sweeper
+#   services/       the writes of agents, reviewers and operators
+#   notifications/  telling people an item waits
+#   surfaces/       the JSON API, MCP, metrics, admin
+#   desk/, drill/   the demo world and the recovery drills
+#
+# Package faces (`__init__.py`) hold a docstring and nothing else, except `executor.tools`,
+# which hands the contract to tool authors, and `executor.engine`, the engine's entry;
+# executor/models.py and executor/admin.py only hand Django what lives in
+# ledger/records.py and surfaces/admin.py.
 LAYERS: list[tuple[str, list[str]]] = [
     (
         "foundations",
         [
+            # The agents' client: it imports nothing of the server (checked below).
+            r"stepward_client(\.client)?",
             r"executor",
-            r"executor\.states",
-            r"executor\.bulk",
-            r"executor\.faults",
-            r"executor\.http",
-            r"executor\.limits",
-            r"executor\.client",
-            r"executor\.ticketdesk",
-            r"executor\.dispatch",
-            r"executor\.redaction",
-            r"executor\.conditions",
-            r"executor\.signed_webhook",
-            r"executor\.logcontext",
+            r"executor\.(common|ledger|contract|policy|services|notifications|surfaces|worker)",
+            r"executor\.(desk|gateway)",
+            r"executor\.common\.\w+",
+            r"executor\.ledger\.(states|bulk)",
+            r"executor\.common\.conditions",
+            r"executor\.notifications\.signed_webhook",
+            r"executor\.surfaces\.(http|limits)",
+            r"executor\.desk\.ticketdesk",
             r"executor\.management(\.commands)?",
             r"console",
             r"console\.(settings|celery|broker|storage|http|security|serving|asgi|wsgi|cli)",
@@ -39,46 +59,48 @@ LAYERS: list[tuple[str, list[str]]] = [
         ],
     ),
     # The tool contract and its vocabulary, which the records use (Effect, Idempotency…).
-    ("tool contract", [r"executor\.tools", r"executor\.tools\.base"]),
-    ("records", [r"executor\.models"]),
+    ("tool contract", [r"executor\.contract\.tool", r"executor\.tools"]),
+    ("records", [r"executor\.ledger\.records", r"executor\.models"]),
     (
         "ledger",
         [
             r"executor\.tools\.loader",
-            r"executor\.transitions",
-            r"executor\.triggers",
-            r"executor\.seals",
-            r"executor\.runs",
-            r"executor\.schemas",
+            r"executor\.ledger\.(transitions|seals|runs)",
+            r"executor\.notifications\.triggers",
+            r"executor\.surfaces\.schemas",
         ],
     ),
     (
         "reads and rules",
         [
-            r"executor\.tools\.(?!base$|loader$|builtins$)\w+",
+            r"executor\.tools\.(?!loader$|builtins$)\w+",
             r"executor\.tools\.builtins",
             # The MCP gateway: upstreams' tools as tools, and this process's sessions with them.
-            r"executor\.gateway(\.\w+)?",
-            r"executor\.ledger",
-            r"executor\.retention",
-            r"executor\.counters",
-            r"executor\.selectors",
-            r"executor\.metrics",
-            r"executor\.policy",
-            r"executor\.rule_simulation",
-            r"executor\.tool_limits",
-            r"executor\.waits",
+            r"executor\.gateway\.\w+",
+            r"executor\.ledger\.(chain|retention|counters|selectors|checks)",
+            r"executor\.surfaces\.(metrics|waits)",
+            r"executor\.policy\.(authorization|simulation|tool_limits)",
         ],
     ),
-    ("progress", [r"executor\.progress"]),
-    ("engine", [r"executor\.engine(\.\w+)?"]),
-    ("recovery", [r"executor\.recovery"]),
-    ("writes", [r"executor\.services(\.\w+)?", r"executor\.notify", r"executor\.sweeper"]),
-    ("decisions", [r"executor\.decisions"]),
+    ("progress", [r"executor\.engine\.progress"]),
+    ("engine", [r"executor\.engine(\.(?!progress$|recovery$)\w+)?"]),
+    ("recovery", [r"executor\.engine\.recovery"]),
+    (
+        "writes",
+        [
+            r"executor\.services\.(?!decisions$)\w+",
+            r"executor\.notifications\.outbox",
+            r"executor\.worker\.sweeper",
+        ],
+    ),
+    ("decisions", [r"executor\.services\.decisions"]),
     (
         "entry points",
         [
-            r"executor\.(tasks|api|signals|admin|apps|demo|mcp|mcp_server|checks)",
+            r"executor\.worker\.tasks",
+            r"executor\.surfaces\.(api|mcp|mcp_server|admin)",
+            r"executor\.(signals|admin|apps)",
+            r"executor\.desk\.demo",
             r"executor\.drill(\..*)?",
             r"executor\.management\.commands\.\w+",
         ],
@@ -89,13 +111,9 @@ LAYERS: list[tuple[str, list[str]]] = [
 # What the console may use of the executor: the services and selectors above the engine.
 CONSOLE_MAY_NOT_IMPORT = (
     "executor.engine",
-    "executor.recovery",
-    "executor.progress",
-    "executor.transitions",
-    "executor.tasks",
-    "executor.sweeper",
-    "executor.dispatch",
-    "executor.bulk",
+    "executor.ledger.transitions",
+    "executor.ledger.bulk",
+    "executor.common.dispatch",
 )
 
 
@@ -108,7 +126,7 @@ def layer_of(module: str) -> int:
 
 def modules() -> dict[str, Path]:
     found = {}
-    for package in ("console", "executor"):
+    for package in ("console", "executor", "stepward_client"):
         for path in (ROOT / package).rglob("*.py"):
             if "migrations" in path.parts:
                 continue
@@ -132,9 +150,13 @@ def import_graph() -> dict[str, set[str]]:
                 if node.level:
                     anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join([*anchor, base] if base else anchor)
-                targets = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+                # `from executor.ledger import records` names the submodule, not the package;
+                # `from executor.ledger.records import Step` names the module.
+                submodules = [f"{base}.{alias.name}" for alias in node.names]
+                named = [target for target in submodules if target in known]
+                targets = named if len(named) == len(submodules) else [base, *named]
             for target in targets:
-                # `import executor.models` names executor.models, not the package.
+                # `import executor.engine.calls` names executor.engine.calls, not the package.
                 if target in known and target != name:
                     graph[name].add(target)
     return graph
@@ -178,8 +200,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_graph_is_read_from_the_source() -> None:
     graph = import_graph()
     # A lazy import inside a function counts like any other.
-    assert "executor.engine" in graph["executor.tasks"]
-    assert "executor.services" in graph["executor.signals"]
+    assert "executor.engine" in graph["executor.worker.tasks"]
+    assert "executor.services.tools" in graph["executor.signals"]
 
 
 def test_no_import_cycle_among_console_and_executor_modules() -> None:
@@ -210,6 +232,27 @@ def test_the_console_uses_services_and_selectors_not_the_engine() -> None:
         if target.startswith(CONSOLE_MAY_NOT_IMPORT)
     ]
     assert reaching == []
+
+
+def test_the_agents_client_imports_nothing_of_the_server() -> None:
+    graph = import_graph()
+    client = {name for name in modules() if name.startswith("stepward_client")}
+    assert client == {"stepward_client", "stepward_client.client"}
+    assert {target for name in client for target in graph.get(name, ())} <= client
+    # And at run time: imported in a fresh interpreter where Django and the server's own
+    # packages cannot be imported at all.
+    script = (
+        "import sys\n"
+        "for name in ('django', 'executor', 'console', 'celery', 'psycopg'):\n"
+        "    sys.modules[name] = None\n"
+        "import stepward_client\n"
+        "print(stepward_client.Stepward.__name__)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "Stepward"
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from django import template
 from django.utils import timezone
 from django.utils.html import format_html
 
-from executor.redaction import redact, redact_text
+from executor.common.redaction import redact, redact_text
 
 register = template.Library()
 

@@ -54,8 +54,8 @@ def install() -> str:
 
 def _install_blind_repeats() -> None:
     import executor.engine.common as engine_common
-    from executor import recovery
-    from executor.tools.base import Tool
+    from executor.contract.tool import Tool
+    from executor.engine import recovery
 
     def always(tool: Tool) -> bool:
         return True
@@ -65,7 +65,7 @@ def _install_blind_repeats() -> None:
 
 
 def _install_lying_lookup() -> None:
-    from executor.tools.base import Invocation, Lookup, LookupOutcome, register, unregister
+    from executor.contract.tool import Invocation, Lookup, LookupOutcome, register, unregister
     from executor.tools.ticketdesk import TicketCreate
 
     class LyingLookupTicketCreate(TicketCreate):

@@ -13,7 +13,7 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connection
 
-from executor import faults
+from executor.common import faults
 from executor.drill.broken import BREAKS
 
 DEFAULT_WORKER_FAULTS = "before_invoke:0.05,after_submit:0.05,before_persist:0.05"
@@ -38,7 +38,7 @@ class DrillError(Exception):
 
 
 def parse_worker_faults(spec: str) -> dict[str, float]:
-    """`before_invoke:0.05,after_submit:0.05,...` (the points of executor.faults)."""
+    """`before_invoke:0.05,after_submit:0.05,...` (the points of executor.common.faults)."""
     try:
         return faults.parse(spec)
     except ImproperlyConfigured as error:

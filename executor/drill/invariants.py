@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from executor.ledger import verify_chain
-from executor.models import OPEN_PHASES, Approval, Attempt, Event, Phase, Run, Step
-from executor.states import LEASED, NEEDS_REVIEW, State
-from executor.tools.base import RETRYABLE, Effect, Idempotency, Tool, find_tool, get_tool
+from executor.contract.tool import RETRYABLE, Effect, Idempotency, Tool, find_tool, get_tool
+from executor.ledger.chain import verify_chain
+from executor.ledger.records import OPEN_PHASES, Approval, Attempt, Event, Phase, Run, Step
+from executor.ledger.states import LEASED, NEEDS_REVIEW, State
 
 # Nothing more happens to a step in these states without a person.
 FINAL_STATES = frozenset(

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import httpx
 from django.conf import settings
 
-from executor import faults
+from executor.common import faults
 from executor.drill.config import DrillError
 
 STARTUP_SECONDS = 60.0
@@ -207,7 +207,7 @@ class Child:
 
     @property
     def crashes(self) -> int:
-        """Generations that ended at an interruption point (executor.faults)."""
+        """Generations that ended at an interruption point (executor.common.faults)."""
         return self.exit_codes.count(faults.CRASH_EXIT_STATUS)
 
     # --- its log --------------------------------------------------------------------------

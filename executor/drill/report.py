@@ -15,10 +15,10 @@ from typing import Any
 
 from django.conf import settings
 
-from executor import faults
+from executor.common import faults
 from executor.drill.config import DESK_FAULT_SETTINGS
 from executor.drill.invariants import Verdict
-from executor.models import DrillReport
+from executor.ledger.records import DrillReport
 
 PLAIN_PROGRESS_SECONDS = 10.0
 

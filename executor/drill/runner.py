@@ -29,7 +29,8 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
-from executor import dispatch, faults, services
+from executor.common import dispatch, faults
+from executor.contract.tool import find_tool
 from executor.drill import tools as file_tools
 from executor.drill import upstream as drill_upstream
 from executor.drill.clients import DeskClient, Publisher
@@ -57,9 +58,19 @@ from executor.drill.processes import (
     tail,
 )
 from executor.drill.report import Progress, report_notes, tested_version
-from executor.models import Agent, Attempt, DrillReport, Run, RunStatus, Step
-from executor.states import LEASED, State
-from executor.tools.base import find_tool
+from executor.ledger.records import Agent, Attempt, DrillReport, Run, RunStatus, Step
+from executor.ledger.states import LEASED, State
+from executor.services.accounts import (
+    agent_create,
+    agent_set_tools,
+    reviewer_create,
+    workspace_get_or_create,
+)
+from executor.services.base import Conflict
+from executor.services.posting import step_post
+from executor.services.reviews import compensation_request, step_approve
+from executor.services.runs import run_cancel, run_create
+from executor.services.tools import tools_load
 
 # The module that starts a child with a deliberately broken engine (--break).
 BROKEN_ENGINE = "executor.drill.broken"
@@ -331,24 +342,22 @@ class Drill:
 
     def prepare(self, report: DrillReport) -> list[str]:
         """The drill's agent, reviewer and run; returns notes on what it found."""
-        workspace = services.workspace_get_or_create(slug="drill", name="Recovery drills")
+        workspace = workspace_get_or_create(slug="drill", name="Recovery drills")
         notes = []
         # An earlier drill that timed out or was interrupted left work that this drill's
         # workers would otherwise carry to this drill's desk, as tickets of no step here.
         for leftover in Run.objects.filter(
             workspace=workspace, status__in=(RunStatus.OPEN, RunStatus.PAUSED)
         ):
-            services.run_cancel(
-                run=leftover, actor="drill", reason=f"recovery drill {report.pk} started"
-            )
+            run_cancel(run=leftover, actor="drill", reason=f"recovery drill {report.pk} started")
             notes.append(f"cancelled {leftover.name}, left unfinished by an earlier drill")
-        agent, _token = services.agent_create(
+        agent, _token = agent_create(
             workspace=workspace, name=f"drill-{report.pk}-{secrets.token_hex(3)}"
         )
-        self.reviewer = services.reviewer_create(workspace=workspace, username="drill-reviewer")
-        # Four eyes: who asks for a compensation may not approve it (services.step_approve).
-        self.approver = services.reviewer_create(workspace=workspace, username="drill-approver")
-        self.run_record, _ = services.run_create(
+        self.reviewer = reviewer_create(workspace=workspace, username="drill-reviewer")
+        # Four eyes: who asks for a compensation may not approve it (step_approve).
+        self.approver = reviewer_create(workspace=workspace, username="drill-approver")
+        self.run_record, _ = run_create(
             agent=agent, name=f"recovery drill {report.pk}", key=f"drill-{report.pk}"
         )
         self.agent = agent
@@ -407,7 +416,7 @@ class Drill:
         if self.tools_file is not None:
             loaded = file_tools.load(self.tools_file, self.desk.url)
             assert self.agent is not None
-            services.agent_set_tools(agent=self.agent, tools=None)
+            agent_set_tools(agent=self.agent, tools=None)
             changed = [*loaded.created, *loaded.updated]
             self.progress.line(
                 f"drill: loaded the tools of {self.tools_file.path} at {self.desk.url}"
@@ -443,11 +452,11 @@ class Drill:
         table = drill_upstream.upstream_table(
             self.repository, [self.upstream_command, "--repository", str(self.repository)]
         )
-        loaded = services.tools_load(tables=[], upstreams=[table])
+        loaded = tools_load(tables=[], upstreams=[table])
         problems = [listed.error for listed in loaded.listed if listed.error]
         if problems or drill_upstream.TOOL not in loaded.listed[0].tools:
             raise DrillError(f"mcp-server-git could not be listed: {'; '.join(problems)}")
-        services.agent_set_tools(agent=self.agent, tools=None)
+        agent_set_tools(agent=self.agent, tools=None)
         self.progress.line(
             f"drill: mcp-server-git behind the gateway on {self.repository} "
             f"({len(loaded.listed[0].tools)} tools)"
@@ -517,7 +526,7 @@ class Drill:
             # This process's own Celery settings may point elsewhere: the step is announced
             # on the drill's broker below, explicitly.
             with dispatch.publishing(dispatch.dropping_publisher):
-                step, _ = services.step_post(
+                step, _ = step_post(
                     agent=self.agent,
                     run=self.run_record,
                     key=f"drill-{number:05d}",
@@ -635,19 +644,19 @@ class Drill:
             asked += 1
             try:
                 with dispatch.publishing(dispatch.dropping_publisher):
-                    compensation = services.compensation_request(
+                    compensation = compensation_request(
                         step=step,
                         user=self.reviewer,
                         version=step.version,
                         reason="recovery drill: undo this ticket",
                     )
-                    services.step_approve(
+                    step_approve(
                         step=compensation,
                         user=self.approver,
                         version=compensation.version,
                         reason="recovery drill: approved compensation",
                     )
-            except services.Conflict:
+            except Conflict:
                 continue  # it moved meanwhile; looked at again next time
             # Any other refusal (permission, input) is the drill's own mistake: it aborts
             # the drill, named in its notes, rather than leaving a step that never settles.

@@ -21,9 +21,10 @@ from urllib.parse import urlsplit, urlunsplit
 import jsonschema
 from django.conf import settings
 
-from executor import services
 from executor.drill.config import DrillError
-from executor.models import Attempt, Event, Run, Step
+from executor.ledger.records import Attempt, Event, Run, Step
+from executor.services.base import Invalid
+from executor.services.tools import ToolsLoaded, http_tools_load
 from executor.tools import http as http_tools
 from executor.tools.files import ToolFileError, read_tool_file
 
@@ -165,11 +166,11 @@ def allowing(desk_url: str) -> Iterator[None]:
         settings.EXECUTOR_HTTP_ALLOWED_HOSTS = before
 
 
-def _load(tools: ToolsFile, desk_url: str, *, check: bool) -> services.ToolsLoaded:
+def _load(tools: ToolsFile, desk_url: str, *, check: bool) -> ToolsLoaded:
     with allowing(desk_url):
         try:
-            return services.http_tools_load(tables=at_desk(tools.tables, desk_url), check=check)
-        except services.Invalid as error:
+            return http_tools_load(tables=at_desk(tools.tables, desk_url), check=check)
+        except Invalid as error:
             problems = (error.details or {}).get("problems", [])
             raise DrillError(
                 "\n".join([f"--tools-file {tools.path}: {error.message}", *problems])
@@ -181,7 +182,7 @@ def check_loadable(tools: ToolsFile) -> None:
     _load(tools, PLACEHOLDER_DESK, check=True)
 
 
-def load(tools: ToolsFile, desk_url: str) -> services.ToolsLoaded:
+def load(tools: ToolsFile, desk_url: str) -> ToolsLoaded:
     """Loads the file's tools into this database, pointed at the desk at `desk_url`."""
     return _load(tools, desk_url, check=False)
 

@@ -27,8 +27,9 @@ One module per seam, in the order a step meets them:
 - `runtime`: a message's drain, and `process` (a batch of one);
 - `common`: the claim itself and what every seam writes (attempt closed, fenced out).
 
-What is not on the path from a claim to an outcome lives elsewhere (recovery, progress,
-policy, dispatch, transitions).
+Beside them, off the path from a claim to an outcome: `progress` (what a completion unlocks)
+and `recovery` (dead workers, unknown outcomes). What a Celery worker runs (its tasks, the
+sweeper) is executor/worker/.
 """
 
 from __future__ import annotations

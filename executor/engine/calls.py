@@ -24,8 +24,8 @@ from typing import Any
 
 from django.conf import settings
 
-from executor import faults, logcontext
-from executor.tools.base import Invocation, Tool, ToolResult, awaitable
+from executor.common import faults, logcontext
+from executor.contract.tool import Invocation, Tool, ToolResult, awaitable
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ One statement takes up to N due `pending` rows (`FOR UPDATE SKIP LOCKED` on Post
 SQLite the claim's IMMEDIATE transaction holds the write lock), moves them to `running` with
 their fences and leases, inserts their Attempts and Events in bulk, and decides each one's
 authorization from facts read once for the batch. Tools at their limit (API.md "Slow tools",
-executor/tool_limits.py) keep their steps `pending`."""
+executor/policy/tool_limits.py) keep their steps `pending`."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from django.db.models import F, QuerySet, Window
 from django.db.models.functions import RowNumber
 from django.utils import timezone
 
-from executor import bulk, policy, tool_limits, transitions
+from executor.contract.tool import FailureClass, Tool, find_tool
 from executor.engine.common import (
     MAX_MESSAGE,
     Claim,
@@ -30,10 +30,11 @@ from executor.engine.common import (
     lease_seconds,
     request_evidence,
 )
-from executor.models import Attempt, Effect, Phase, Run, RunStatus, Step
-from executor.models import Tool as ToolRow
-from executor.states import State
-from executor.tools.base import FailureClass, Tool, find_tool
+from executor.ledger import bulk, transitions
+from executor.ledger.records import Attempt, Effect, Phase, Run, RunStatus, Step
+from executor.ledger.records import Tool as ToolRow
+from executor.ledger.states import State
+from executor.policy import authorization, tool_limits
 
 LIGHT_EFFECTS = (Effect.PURE, Effect.READ)
 
@@ -52,7 +53,7 @@ def _locked(steps: QuerySet[Step]) -> QuerySet[Step]:
 
 def _with_facts(steps: QuerySet[Step]) -> QuerySet[Step]:
     """The steps with what authorizing them reads (run, workspace, agent and its user) and
-    their tool's row: its limits (executor/tool_limits.py) come with the step."""
+    their tool's row: its limits (executor/policy/tool_limits.py) come with the step."""
     return steps.select_related("run", "run__workspace", "run__agent", "run__agent__user", "tool")
 
 
@@ -371,16 +372,16 @@ def claim(
                 taken.append(step)
         if not taken:
             return batch
-        facts = policy.read_facts(taken)
-        decisions: dict[Any, policy.Decision] = {}
+        facts = authorization.read_facts(taken)
+        decisions: dict[Any, authorization.Decision] = {}
         tools: dict[Any, Tool | None] = {}
         for step in taken:
             tool = tools[step.pk] = find_tool(step.tool_id)
             decisions[step.pk] = (
-                policy.decide(step, tool, facts, now=now)
+                authorization.decide(step, tool, facts, now=now)
                 if tool is not None
-                else policy.Decision(
-                    policy.Verdict.BLOCK, f"the tool {step.tool_id} is no longer registered"
+                else authorization.Decision(
+                    authorization.Verdict.BLOCK, f"the tool {step.tool_id} is no longer registered"
                 )
             )
         # Pure and read steps are submitted in this very commit: count their calls now, with
@@ -394,7 +395,7 @@ def claim(
         # Runs' rows in id order, as every batch takes them: two claims never wait on each
         # other's runs in a cycle.
         for _, steps in sorted(by_run.items(), key=lambda item: str(item[0])):
-            granted = policy.budget_take_calls(steps[0].run, len(steps), now=now)
+            granted = authorization.budget_take_calls(steps[0].run, len(steps), now=now)
             over_budget.update(step.pk for step in steps[granted:])
 
         lease_until = now + timedelta(seconds=lease_seconds())
@@ -456,16 +457,16 @@ def claim(
 
 
 def _refusal(
-    step: Step, decision: policy.Decision, over_budget: set[Any], *, now: datetime
+    step: Step, decision: authorization.Decision, over_budget: set[Any], *, now: datetime
 ) -> transitions.Move:
     """The move that ends a claimed attempt which may not go on; nothing was sent."""
     if step.pk in over_budget:
-        reason = policy.budget_exhaustion(step.run, now=now) or "no budget left"
-        policy.run_pause(step.run, reason=reason, now=now)
+        reason = authorization.budget_exhaustion(step.run, now=now) or "no budget left"
+        authorization.run_pause(step.run, reason=reason, now=now)
         return transitions.Move(step, State.PENDING, actor="policy", reason=f"run paused: {reason}")
-    if decision.verdict == policy.Verdict.CANCEL:
+    if decision.verdict == authorization.Verdict.CANCEL:
         return transitions.Move(step, State.CANCELLED, actor="policy", reason=decision.reason)
-    if decision.verdict == policy.Verdict.REFUSE:
+    if decision.verdict == authorization.Verdict.REFUSE:
         return transitions.Move(
             step,
             State.FAILED,
@@ -477,8 +478,8 @@ def _refusal(
                 "failure_message": decision.reason,
             },
         )
-    if decision.verdict == policy.Verdict.PAUSE:
-        policy.run_pause(step.run, reason=decision.reason, now=now)
+    if decision.verdict == authorization.Verdict.PAUSE:
+        authorization.run_pause(step.run, reason=decision.reason, now=now)
         return transitions.Move(step, State.PENDING, actor="policy", reason=decision.reason)
     return transitions.Move(
         step,

@@ -20,8 +20,9 @@ from django.db.models import F
 from django.utils import timezone
 
 import executor.engine.statements as statements
-from executor import faults, logcontext, policy, progress, transitions
-from executor.bulk import update_rows
+from executor.common import faults, logcontext
+from executor.contract.tool import Tool, ToolResult, invoke_blocking
+from executor.engine import progress
 from executor.engine.common import (
     Claim,
     Outcome,
@@ -39,9 +40,11 @@ from executor.engine.common import (
 )
 from executor.engine.failures import handle_failure
 from executor.engine.leases import lock_held, still_holds_lease
-from executor.models import OPEN_PHASES, Attempt, Phase, Run, RunStatus, Step
-from executor.states import State
-from executor.tools.base import Tool, ToolResult, invoke_blocking
+from executor.ledger import transitions
+from executor.ledger.bulk import update_rows
+from executor.ledger.records import OPEN_PHASES, Attempt, Phase, Run, RunStatus, Step
+from executor.ledger.states import State
+from executor.policy import authorization
 
 
 def run_light(claims: Sequence[Claim]) -> dict[Any, str]:
@@ -148,7 +151,7 @@ def mark_submitting(step: Step, attempt: Attempt, tool: Tool, *, now: datetime) 
 
     Must run inside a transaction. False (and nothing written) when the budget is spent.
     """
-    if not policy.budget_take_call(step.run, now=now):
+    if not authorization.budget_take_call(step.run, now=now):
         return False
     Attempt.objects.filter(pk=attempt.pk, phase=Phase.CLAIMED).update(
         phase=Phase.SUBMITTING, submitted_at=now, request_evidence=request_evidence(tool, step)
@@ -165,9 +168,9 @@ def stop_before_submit(step: Step, attempt: Attempt, *, now: datetime) -> str:
         close_attempt(attempt, Phase.ABANDONED, error_class="cancel", message="run cancelled")
         transitions.move(step, State.CANCELLED, actor="policy", reason="the run was cancelled")
         return State.CANCELLED
-    reason = policy.budget_exhaustion(step.run, now=now) or "no budget left"
+    reason = authorization.budget_exhaustion(step.run, now=now) or "no budget left"
     close_attempt(attempt, Phase.ABANDONED, error_class="budget", message=reason)
-    policy.run_pause(step.run, reason=reason, now=now)
+    authorization.run_pause(step.run, reason=reason, now=now)
     transitions.move(step, State.PENDING, actor="policy", reason=f"run paused: {reason}", now=now)
     return State.PENDING
 
@@ -217,7 +220,7 @@ def submit(claim: Claim, *, now: datetime) -> str | None:
             return record_fenced_out(attempt, "submitting")
         if counted:
             return None
-        if policy.budget_exhaustion(step.run, now=now):
+        if authorization.budget_exhaustion(step.run, now=now):
             break
     with transaction.atomic():
         return stop_before_submit(step, attempt, now=now)
@@ -245,7 +248,7 @@ def submit_many(claims: Sequence[Claim], *, now: datetime) -> tuple[list[Claim],
         refused: list[Claim] = []
         # Runs' rows in id order, as every batch takes them (`claim`).
         for _, waiting in sorted(by_run.items(), key=lambda item: str(item[0])):
-            granted = policy.budget_take_calls(waiting[0].step.run, len(waiting), now=now)
+            granted = authorization.budget_take_calls(waiting[0].step.run, len(waiting), now=now)
             ready += waiting[:granted]
             refused += waiting[granted:]
         if ready:

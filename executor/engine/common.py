@@ -15,10 +15,10 @@ from typing import Any
 from django.conf import settings
 from django.utils import timezone
 
-from executor import policy
-from executor.models import OPEN_PHASES, Attempt, Effect, Idempotency, Phase, Run, Step
-from executor.redaction import Redactor
-from executor.tools.base import Invocation, Tool, ToolResult
+from executor.common.redaction import Redactor
+from executor.contract.tool import Invocation, Tool, ToolResult
+from executor.ledger.records import OPEN_PHASES, Attempt, Effect, Idempotency, Phase, Run, Step
+from executor.policy import authorization
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def call_of(claim: Claim) -> Invocation:
 
 
 def log_fields(step: Step, attempt: Attempt | None = None) -> dict[str, Any]:
-    """What a log line about this step carries (executor/logcontext.py)."""
+    """What a log line about this step carries (executor/common/logcontext.py)."""
     workspace: Any = None
     if Step.run.is_cached(step):
         run = step.run
@@ -180,6 +180,6 @@ def closing_fields(
 def pause_if_over_cost(run_id: Any, *, now: datetime) -> None:
     fresh = Run.objects.get(pk=run_id)
     if fresh.max_cost is not None and fresh.used_cost >= fresh.max_cost:
-        policy.run_pause(
+        authorization.run_pause(
             fresh, reason=f"max_cost reached ({fresh.used_cost} of {fresh.max_cost})", now=now
         )

@@ -11,7 +11,8 @@ from django.db import transaction
 from django.utils import timezone
 
 import executor.engine.common as common
-from executor import dispatch, logcontext, transitions
+from executor.common import dispatch, logcontext
+from executor.contract.tool import RETRYABLE, FailureClass, Tool, ToolError
 from executor.engine.common import (
     MAX_MESSAGE,
     Claim,
@@ -20,9 +21,9 @@ from executor.engine.common import (
     log_fields,
     record_fenced_out,
 )
-from executor.models import Approval, Attempt, Phase, Run, RunStatus, Step
-from executor.states import State
-from executor.tools.base import RETRYABLE, FailureClass, Tool, ToolError
+from executor.ledger import transitions
+from executor.ledger.records import Approval, Attempt, Phase, Run, RunStatus, Step
+from executor.ledger.states import State
 
 
 def backoff_seconds(tool: Tool, failures: int, rng: random.Random | None = None) -> float:

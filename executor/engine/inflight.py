@@ -12,11 +12,11 @@ from django.utils import timezone
 
 import executor.engine.calls as calls
 import executor.engine.commits as commits
-from executor import logcontext
+from executor.common import logcontext
 from executor.engine.commits import execute_claimed, submit_many, verify_many
 from executor.engine.common import Claim, Outcome, call_of, is_light, log_fields
 from executor.engine.leases import LeaseKeeper
-from executor.states import State
+from executor.ledger.states import State
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from executor.engine.common import Claim, lease_seconds, log_fields
-from executor.models import Step
-from executor.states import LEASED
+from executor.ledger.records import Step
+from executor.ledger.states import LEASED
 
 logger = logging.getLogger(__name__)
 

@@ -10,15 +10,15 @@ from typing import Any
 
 from django.conf import settings
 
-from executor import transitions
+from executor.contract.tool import Tool
 from executor.engine.claiming import claim, claim_step
 from executor.engine.commits import execute_claimed, run_light
 from executor.engine.common import Claim, Outcome, is_light, worker_name
 from executor.engine.inflight import InFlight
 from executor.engine.leases import LeaseKeeper
-from executor.models import Effect, RunStatus, Step
-from executor.states import State
-from executor.tools.base import Tool
+from executor.ledger import transitions
+from executor.ledger.records import Effect, RunStatus, Step
+from executor.ledger.states import State
 
 
 def process(step_id: Any, *, worker: str | None = None) -> str:

@@ -11,7 +11,8 @@ from typing import Any
 
 from django.db import connection
 
-from executor import bulk, faults, policy, transitions
+from executor.common import faults
+from executor.contract.tool import ToolResult
 from executor.engine.common import (
     Claim,
     closing_fields,
@@ -19,9 +20,10 @@ from executor.engine.common import (
     request_evidence,
     responded_move,
 )
-from executor.models import OPEN_PHASES, Attempt, Event, Phase, Run, RunStatus, Step
-from executor.states import LEASED, State
-from executor.tools.base import ToolResult
+from executor.ledger import bulk, transitions
+from executor.ledger.records import OPEN_PHASES, Attempt, Event, Phase, Run, RunStatus, Step
+from executor.ledger.states import LEASED, State
+from executor.policy import authorization
 
 
 @cache
@@ -32,7 +34,8 @@ def _submit_sql() -> str:
         f"WITH lease AS (UPDATE {step.db_table} SET lease_expires_at = %(expires)s"  # noqa: S608 - names, not input
         " WHERE id = %(step)s AND state = ANY(%(leased)s) AND fence = %(fence)s RETURNING run_id),"
         f" budget AS (UPDATE {run.db_table} SET used_calls = used_calls + 1, updated_at = %(now)s"
-        f" WHERE id = (SELECT run_id FROM lease) AND {policy.ONE_CALL_ROOM_SQL} RETURNING id),"
+        f" WHERE id = (SELECT run_id FROM lease)"
+        f" AND {authorization.ONE_CALL_ROOM_SQL} RETURNING id),"
         f" submitting AS (UPDATE {attempt.db_table} SET phase = %(submitting)s,"
         " submitted_at = %(now)s, request_evidence = %(evidence)s"
         " WHERE id = %(attempt)s AND phase = %(claimed)s AND EXISTS (SELECT FROM budget))"

@@ -16,9 +16,7 @@ from typing import Any
 
 import jsonschema
 
-from executor.models import McpUpstream
-from executor.tools import http as http_tools
-from executor.tools.base import (
+from executor.contract.tool import (
     ApprovalRule,
     Effect,
     RetryPolicy,
@@ -26,6 +24,8 @@ from executor.tools.base import (
     rate_problem,
     validator_class,
 )
+from executor.ledger.records import McpUpstream
+from executor.tools import http as http_tools
 
 NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
 HEADER_NAME = http_tools.HEADER_NAME

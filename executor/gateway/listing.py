@@ -21,7 +21,7 @@ from django.utils import timezone
 
 from executor.gateway.connections import AnswerLost, Unreachable, gateway
 from executor.gateway.tools import MissingVariable, reach_refusal, row_target, taken_names
-from executor.models import McpUpstream
+from executor.ledger.records import McpUpstream
 
 MAX_PAUSE_SECONDS = 300.0
 

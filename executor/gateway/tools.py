@@ -19,13 +19,8 @@ from typing import Any, ClassVar
 import mcp_types as types
 from mcp.shared.exceptions import MCPError
 
-from executor.gateway import config
-from executor.gateway.connections import AnswerLost, Target, Unreachable, gateway
-from executor.models import McpUpstream
-from executor.redaction import scrub, scrub_strings
-from executor.tools import http as http_tools
-from executor.tools import outbound
-from executor.tools.base import (
+from executor.common.redaction import scrub, scrub_strings
+from executor.contract.tool import (
     RETRYABLE,
     FailureClass,
     Idempotency,
@@ -40,6 +35,11 @@ from executor.tools.base import (
     registered,
     uninstall,
 )
+from executor.gateway import config
+from executor.gateway.connections import AnswerLost, Target, Unreachable, gateway
+from executor.ledger.records import McpUpstream
+from executor.tools import http as http_tools
+from executor.tools import outbound
 from executor.tools.rows import RowSource
 
 logger = logging.getLogger(__name__)

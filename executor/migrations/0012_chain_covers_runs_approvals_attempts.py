@@ -3,8 +3,8 @@
 import django.utils.timezone
 from django.db import migrations, models
 
-from executor.seals import run_seal
-from executor.transitions import event_hash
+from executor.ledger.seals import run_seal
+from executor.ledger.transitions import event_hash
 
 
 def seal_runs(apps, schema_editor):

@@ -2,16 +2,16 @@
 
 import django.db.models.deletion
 import django.utils.timezone
-import executor.models
+import executor.ledger.records
 from django.conf import settings
 from django.db import migrations, models
 
-from executor import triggers
+from executor.notifications import triggers
 
 
 def create_triggers(apps, schema_editor):
     """A step that starts waiting and a run that pauses insert their Notification in the same
-    statement (executor/triggers.py)."""
+    statement (executor/notifications/triggers.py)."""
     triggers.install(schema_editor.connection)
 
 
@@ -46,7 +46,7 @@ class Migration(migrations.Migration):
                 ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
                 ('name', models.CharField(max_length=200)),
                 ('url', models.TextField(help_text='An Apprise URL, e.g. json://hooks.example.com/stepward')),
-                ('kinds', models.JSONField(blank=True, default=list, help_text='Which kinds of waiting items, e.g. ["approval", "unknown"]; empty: all.', validators=[executor.models.validate_kinds])),
+                ('kinds', models.JSONField(blank=True, default=list, help_text='Which kinds of waiting items, e.g. ["approval", "unknown"]; empty: all.', validators=[executor.ledger.records.validate_kinds])),
                 ('active', models.BooleanField(default=True)),
                 ('created_at', models.DateTimeField(auto_now_add=True)),
                 ('user', models.ForeignKey(blank=True, help_text='A reviewer: only what they may decide, while they may.', null=True, on_delete=django.db.models.deletion.CASCADE, related_name='notify_subscriptions', to=settings.AUTH_USER_MODEL)),

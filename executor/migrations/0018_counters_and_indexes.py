@@ -8,7 +8,7 @@ upsert per metric and label for a batch of 500 moves), each session writing rows
 (`pg_backend_pid()`) so that workers never wait on one another's counters; on SQLite, row
 triggers into shard 0.
 
-The step_seconds buckets are written here as SQL: executor/metrics.py's
+The step_seconds buckets are written here as SQL: executor/surfaces/metrics.py's
 STEP_SECONDS_BUCKETS must be the same (tests/executor/test_metrics.py holds them together).
 """
 

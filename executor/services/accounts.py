@@ -10,7 +10,7 @@ from django.contrib.auth.models import User
 from django.db import transaction
 from guardian.shortcuts import assign_perm, remove_perm
 
-from executor.models import (
+from executor.ledger.records import (
     AGENT_WORKSPACE_PERMISSIONS,
     REVIEWER_PERMISSIONS,
     Agent,

@@ -7,7 +7,7 @@ from typing import Any
 
 from django.contrib.auth.models import User
 
-from executor.models import (
+from executor.ledger.records import (
     Agent,
     Workspace,
 )

@@ -15,9 +15,9 @@ from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from executor.models import Step, StepClaim
+from executor.ledger.records import Step, StepClaim
+from executor.ledger.states import INBOX, State
 from executor.services.base import Conflict, require_perm
-from executor.states import INBOX, State
 
 
 def _waits(step: Step) -> bool:

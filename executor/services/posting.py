@@ -10,18 +10,20 @@ from typing import Any
 from django.db import IntegrityError
 from django.utils import timezone
 
-from executor import dispatch, policy, transitions
-from executor.models import (
+from executor.common import dispatch
+from executor.contract.tool import FailureClass, find_tool, get_tool
+from executor.contract.tool import Tool as ToolContract
+from executor.ledger import transitions
+from executor.ledger.records import (
     Agent,
     Run,
     RunStatus,
     Step,
     call_hash,
 )
+from executor.ledger.states import DEPENDENCY_DEAD_ENDS, State
+from executor.policy import authorization
 from executor.services.base import Conflict, Invalid, NotPermitted, ServiceError, agent_actor
-from executor.states import DEPENDENCY_DEAD_ENDS, State
-from executor.tools.base import FailureClass, find_tool, get_tool
-from executor.tools.base import Tool as ToolContract
 
 MAX_BATCH = 500
 
@@ -136,10 +138,10 @@ def _steps_post_once(
             step.key: step
             for step in Step.objects.filter(run=run, key__in=named).defer("input").order_by()
         }
-    grants = policy.grants(
+    grants = authorization.grants(
         users=[agent.user_id], workspaces=[run.workspace_id], tools={r.tool for r in requests}
     )
-    may = policy.Facts(grants=grants)
+    may = authorization.Facts(grants=grants)
 
     steps: list[Step] = []
     # Each new step and its history.
@@ -178,9 +180,11 @@ def _steps_post_once(
         requirement = may.requirement(
             run.workspace_id,
             tool,
-            policy.rule_variables(input=request.input, tool=tool, agent_name=agent.name, run=run),
+            authorization.rule_variables(
+                input=request.input, tool=tool, agent_name=agent.name, run=run
+            ),
         )
-        needs_none = requirement.need == policy.Need.NONE and not requirement.refused
+        needs_none = requirement.need == authorization.Need.NONE and not requirement.refused
         version = may.approval_version(run.workspace_id, tool) if needs_none else None
         history = _posted_history(step, known, seen, policy_version=version, actor=actor, now=now)
         if requirement.refused:
@@ -210,7 +214,7 @@ def _check_new_step(
     run: Run,
     request: StepRequest,
     tool: ToolContract,
-    may: policy.Facts,
+    may: authorization.Facts,
     known: dict[str, Step],
     seen: dict[str, Step],
 ) -> None:
@@ -286,7 +290,7 @@ def _posted_history(
     return history
 
 
-def _refused_by_rule(step: Step, requirement: policy.Requirement) -> transitions.Posted:
+def _refused_by_rule(step: Step, requirement: authorization.Requirement) -> transitions.Posted:
     """A call an approval rule refuses is recorded, and fails at once as policy_denied."""
     reason = requirement.reason or requirement.describe()
     step.failure_class = FailureClass.POLICY_DENIED
@@ -328,19 +332,19 @@ def step_policy_approval(*, step: Step) -> dict[str, str]:
     return policy_approved(version)
 
 
-def approval_rules(step: Step) -> policy.Facts:
+def approval_rules(step: Step) -> authorization.Facts:
     """The workspace's approval policy for the step's tool (one query)."""
-    return policy.workspace_facts(step.run.workspace_id, [step.tool_id])
+    return authorization.workspace_facts(step.run.workspace_id, [step.tool_id])
 
 
-def step_requirement(step: Step) -> policy.Requirement:
+def step_requirement(step: Step) -> authorization.Requirement:
     """What the approval rules (or the tool's policy) ask of this step's call now."""
     tool = get_tool(step.tool_id)
     return approval_rules(step).requirement(
-        step.run.workspace_id, tool, policy.call_variables(step, tool)
+        step.run.workspace_id, tool, authorization.call_variables(step, tool)
     )
 
 
 def step_needs_person(step: Step) -> bool:
     """Whether a person must approve this step's call in its workspace now."""
-    return step_requirement(step).need > policy.Need.NONE
+    return step_requirement(step).need > authorization.Need.NONE

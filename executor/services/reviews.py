@@ -1,5 +1,5 @@
 """Reviewers' decisions on steps (DESIGN.md §9, §11, §12); which decision applies when is
-executor/decisions.py's table."""
+executor/services/decisions.py's table."""
 
 from __future__ import annotations
 
@@ -14,8 +14,11 @@ from django.db import transaction
 from django.db.models import TextChoices
 from django.utils import timezone
 
-from executor import dispatch, policy, progress, recovery, seals, transitions
-from executor.models import (
+from executor.common import dispatch
+from executor.contract.tool import LookupOutcome, get_tool
+from executor.engine import progress, recovery
+from executor.ledger import seals, transitions
+from executor.ledger.records import (
     Approval,
     Effect,
     Event,
@@ -24,6 +27,8 @@ from executor.models import (
     Step,
     call_hash,
 )
+from executor.ledger.states import State
+from executor.policy import authorization
 from executor.services.base import (
     AlreadyHandled,
     Conflict,
@@ -40,8 +45,6 @@ from executor.services.posting import (
     step_policy_approval,
     step_requirement,
 )
-from executor.states import State
-from executor.tools.base import LookupOutcome, get_tool
 
 # --- reviewers' decisions (DESIGN.md §9, §11, §12) ----------------------------------------
 #
@@ -101,7 +104,7 @@ def _approve(
     )
 
 
-approval_permission = policy.approval_permission
+approval_permission = authorization.approval_permission
 
 
 class ApprovalOutcome(TextChoices):
@@ -203,7 +206,7 @@ def second_approval_refusal(step: Step, user: User) -> str:
         return ""
     if not Signoff.objects.filter(step=step, approver=user, approval__isnull=True).exists():
         return ""
-    if step_requirement(step).need != policy.Need.TWO:
+    if step_requirement(step).need != authorization.Need.TWO:
         return ""
     tool = get_tool(step.tool_id)
     version = approval_rules(step).approval_version(step.run.workspace_id, tool)
@@ -244,7 +247,7 @@ def step_approve_outcome(*, step: Step, user: User, version: int, reason: str) -
     policy_version = approval_rules(step).approval_version(step.run.workspace_id, tool)
     with transaction.atomic():
         signoffs: list[Signoff] = []
-        if requirement.need == policy.Need.TWO:
+        if requirement.need == authorization.Need.TWO:
             signoffs = _sign_off(
                 step,
                 user=user,
@@ -479,7 +482,7 @@ def step_probe(*, step: Step, user: User, version: int, reason: str) -> str:
 
 def recorded(approval: Approval | None) -> dict[str, Any]:
     """What the Event that records a new approval says of it: the chain then covers the
-    approval's content (executor/seals.py)."""
+    approval's content (executor/ledger/seals.py)."""
     if approval is None:
         return {}
     return {"approval": approval.pk, "approval_digest": seals.digest_of_approval(approval)}
@@ -561,7 +564,7 @@ def step_resume(*, step: Step, user: User, version: int, reason: str) -> Step:
     policy_version = approval_rules(step).approval_version(step.run.workspace_id, tool)
     with transaction.atomic():
         signoffs: list[Signoff] = []
-        if requirement.need == policy.Need.TWO:
+        if requirement.need == authorization.Need.TWO:
             # As for a planned step: two different reviewers, each recorded; the first waits.
             refusal = own_request_refusal(step, user)
             if refusal:

@@ -9,8 +9,8 @@ from typing import Any
 
 from django.db import transaction
 
-from executor.conditions import ConditionError, compile_condition
-from executor.models import Rule, RuleAction, Workspace
+from executor.common.conditions import ConditionError, compile_condition
+from executor.ledger.records import Rule, RuleAction, Workspace
 from executor.services.base import Invalid
 
 RULE_KEYS = frozenset({"tool", "workspace", "when", "action", "reason", "order"})

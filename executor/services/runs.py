@@ -1,5 +1,5 @@
 """Runs: created by agents and cancelled; budgets raised and runs resumed by reviewers.
-Status moves go through executor/runs.py."""
+Status moves go through executor/ledger/runs.py."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from django.contrib.auth.models import User
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from executor import dispatch, policy, runs, transitions
-from executor.models import (
+from executor.common import dispatch
+from executor.ledger import runs, transitions
+from executor.ledger.records import (
     Agent,
     Run,
     RunEvent,
@@ -20,7 +21,9 @@ from executor.models import (
     Step,
     canonical_hash,
 )
-from executor.seals import run_seal
+from executor.ledger.seals import run_seal
+from executor.ledger.states import CANCELLABLE, State
+from executor.policy import authorization
 from executor.services.base import (
     AlreadyHandled,
     Conflict,
@@ -31,11 +34,10 @@ from executor.services.base import (
     require_reason,
     user_actor,
 )
-from executor.states import CANCELLABLE, State
 
-# The keys of the runs the MCP server makes for each agent (executor/mcp.py): `stepward-mcp`,
-# then `stepward-mcp-2`… after a person cancels one. A run an agent creates may not take one,
-# or it could stand in for (or block) that agent's MCP run.
+# The keys of the runs the MCP server makes for each agent (executor/surfaces/mcp.py):
+# `stepward-mcp`, then `stepward-mcp-2`… after a person cancels one. A run an agent creates
+# may not take one, or it could stand in for (or block) that agent's MCP run.
 MCP_RUN_KEY = "stepward-mcp"
 MCP_RUN_KEYS = re.compile(rf"^{MCP_RUN_KEY}(-[0-9]+)?$")
 
@@ -204,7 +206,7 @@ def run_extend_budget(
             },
         )
         if resume and locked.status == RunStatus.PAUSED:
-            problem = policy.budget_shortfall(locked, now=now)
+            problem = authorization.budget_shortfall(locked, now=now)
             if problem:
                 raise Conflict(f"the run cannot resume: {problem}")
             run_resume(run=locked, actor=user_actor(user), reason=reason, now=now)

@@ -14,7 +14,12 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 from guardian.shortcuts import assign_perm, remove_perm
 
-from executor.models import ROLE_PERMISSIONS, WORKSPACE_PERMISSIONS, SignInIdentity, SignInRole
+from executor.ledger.records import (
+    ROLE_PERMISSIONS,
+    WORKSPACE_PERMISSIONS,
+    SignInIdentity,
+    SignInRole,
+)
 from executor.services.base import ServiceError
 
 # Letters, digits and @.+-_ are what Django's username validator allows.

@@ -9,11 +9,12 @@ from typing import Any
 
 from django.db import transaction
 
+from executor.contract.tool import ApprovalRule, all_tools
 from executor.gateway import config as gateway_config
 from executor.gateway import listing as upstream_listing
 from executor.gateway import tools as upstream_tools
 from executor.gateway.listing import Listed
-from executor.models import (
+from executor.ledger.records import (
     HttpToolSpec,
     McpUpstream,
     Tool,
@@ -22,7 +23,6 @@ from executor.models import (
 )
 from executor.services.base import Invalid
 from executor.tools import http as http_tools
-from executor.tools.base import ApprovalRule, all_tools
 
 
 def tools_sync(*, using: str = "default") -> None:

@@ -8,7 +8,7 @@ modules every process imports at startup. `base` holds the contract and the regi
 
 from __future__ import annotations
 
-from executor.tools.base import (
+from executor.contract.tool import (
     ApprovalRule,
     Effect,
     FailureClass,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from executor.tools.base import (
+from executor.contract.tool import (
     ApprovalRule,
     Effect,
     Idempotency,

@@ -10,7 +10,7 @@ from django.core import mail
 from django.core.exceptions import ValidationError
 from django.core.validators import validate_email
 
-from executor.tools.base import (
+from executor.contract.tool import (
     ApprovalRule,
     Effect,
     FailureClass,

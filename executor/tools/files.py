@@ -1,7 +1,7 @@
 """A tools file, as `manage.py load_tools FILE.toml` reads it: `[[tool]]` tables (HTTP tools,
 API.md "Your own tools"), `[[upstream]]` tables (MCP servers behind Stepward, "MCP gateway")
 and `[[rule]]` tables (approval rules), unchecked: `tools.http.spec_errors`,
-`gateway.config.upstream_errors` and `services.rules.rules_check` check each table.
+`gateway.config.upstream_errors` and `executor.services.rules.rules_check` check each table.
 """
 
 from __future__ import annotations

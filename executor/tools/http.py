@@ -23,10 +23,8 @@ import httpx
 import jsonschema
 from django.conf import settings
 
-from executor.models import HttpToolSpec
-from executor.redaction import scrub, scrub_strings
-from executor.tools import outbound
-from executor.tools.base import (
+from executor.common.redaction import scrub, scrub_strings
+from executor.contract.tool import (
     ApprovalRule,
     Effect,
     FailureClass,
@@ -47,6 +45,8 @@ from executor.tools.base import (
     rate_problem,
     uninstall,
 )
+from executor.ledger.records import HttpToolSpec
+from executor.tools import outbound
 from executor.tools.rows import RowSource
 
 ENV_PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")

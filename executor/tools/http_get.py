@@ -9,8 +9,7 @@ from typing import Any
 import httpx
 from django.conf import settings
 
-from executor.tools import outbound
-from executor.tools.base import (
+from executor.contract.tool import (
     ApprovalRule,
     Effect,
     FailureClass,
@@ -22,6 +21,7 @@ from executor.tools.base import (
     ToolResult,
     register,
 )
+from executor.tools import outbound
 
 # The result keeps this much of the body (EXECUTOR_HTTP_MAX_RESPONSE_BYTES bounds the read).
 MAX_BODY_CHARS = 20_000

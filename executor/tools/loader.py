@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 from django.core.exceptions import ImproperlyConfigured
 
-from executor.tools.base import RegistrationError
+from executor.contract.tool import RegistrationError
 
 
 def load_tools(modules: Iterable[str]) -> None:

@@ -25,8 +25,8 @@ import httpx
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
+from executor.contract.tool import FailureClass, ToolError
 from executor.tools.asyncio_network import AsyncioBackend
-from executor.tools.base import FailureClass, ToolError
 
 _LIMITS = httpx.Limits(max_keepalive_connections=0)
 _client: httpx.Client | None = None

@@ -1,6 +1,6 @@
 """The ticket desk's tools: `ticketdesk.create`, `ticketdesk.create_keyed`, `ticketdesk.close`.
 
-The desk is an external system (executor/ticketdesk.py); what matters here is telling,
+The desk is an external system (executor/desk/ticketdesk.py); what matters here is telling,
 for every way a call can end, whether a ticket may exist (DESIGN.md §8).
 """
 
@@ -11,8 +11,7 @@ from typing import Any, ClassVar
 import httpx
 from django.conf import settings
 
-from executor.tools import outbound
-from executor.tools.base import (
+from executor.contract.tool import (
     ApprovalRule,
     Effect,
     FailureClass,
@@ -26,6 +25,7 @@ from executor.tools.base import (
     ToolResult,
     register,
 )
+from executor.tools import outbound
 
 DEFAULT_TIMEOUT_SECONDS = 10.0
 CONNECT_TIMEOUT_SECONDS = 2.0

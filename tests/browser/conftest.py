@@ -19,18 +19,20 @@ from guardian.shortcuts import assign_perm
 from playwright.sync_api import Page, expect
 
 from console.celery import app as celery_app
-from executor import dispatch, services
-from executor.drill.config import current_database_url
-from executor.drill.processes import DeskProcess
-from executor.models import (
-    Agent,
-    Workspace,
-)
-from executor.models import Tool as ToolRow
-from executor.tools.base import (
+from executor.common import dispatch
+from executor.contract.tool import (
     register,
     unregister,
 )
+from executor.drill.config import current_database_url
+from executor.drill.processes import DeskProcess
+from executor.ledger.records import (
+    Agent,
+    Workspace,
+)
+from executor.ledger.records import Tool as ToolRow
+from executor.services.accounts import reviewer_create
+from executor.services.tools import tools_sync
 from tests.support import processes
 from tests.support.browser import (
     CHROMIUM_ARGS,
@@ -98,7 +100,7 @@ def bob_page(page: Page, reviewer: User, live_server: Any) -> Page:
 @pytest.fixture
 def second_reviewer(workspace: Workspace) -> User:
     """erin, a second reviewer with every reviewer permission on acme."""
-    return services.reviewer_create(workspace=workspace, username="erin", password="erin-pw")
+    return reviewer_create(workspace=workspace, username="erin", password="erin-pw")
 
 
 @pytest.fixture
@@ -107,7 +109,7 @@ def tools(agent: Agent) -> Iterator[None]:
     for cls in EXAMPLE_TOOLS:
         register(cls)
     try:
-        services.tools_sync()
+        tools_sync()
         for row in ToolRow.objects.filter(name__in=[cls.name for cls in EXAMPLE_TOOLS]):
             assign_perm("executor.use_tool", agent.user, row)
         yield

@@ -12,9 +12,10 @@ import pytest
 from django.contrib.auth.models import User
 from playwright.sync_api import Browser, Page, expect
 
-from executor import services
-from executor.models import Agent, Rule, Run, Signoff
-from executor.states import State
+from executor.ledger.records import Agent, Rule, Run, Signoff
+from executor.ledger.states import State
+from executor.services.reviews import step_approve
+from executor.services.rules import rules_load
 from tests.support.browser import (
     DOCS_DIR,
     VIEWPORT,
@@ -56,7 +57,7 @@ def test_a_require_two_step_is_approved_by_two_reviewers_and_the_page_says_who_i
     second_reviewer: User,
     tools: None,
 ) -> None:
-    services.rules_load(tables=RULES)
+    rules_load(tables=RULES)
     small = post(agent, run, "example.refund", "refund-small", {"amount": 40})
     assert small.state == State.PENDING  # the allow rule wins over the tool's "always"
     step = post(agent, run, "example.refund", "refund-large", {"amount": 5000})
@@ -125,11 +126,11 @@ def test_screenshots_of_a_step_waiting_for_a_second_reviewer_and_a_rules_admin_p
     tmp_path: Path,
 ) -> None:
     out = DOCS_DIR if os.environ.get("STEPWARD_SCREENSHOTS") == "1" else tmp_path
-    services.rules_load(tables=RULES)
+    rules_load(tables=RULES)
     for number, amount in enumerate((40, 250, 80, 5000, 1800), start=1):
         post(agent, run, "example.refund", f"refund-{number}", {"amount": amount})
     step = post(agent, run, "example.refund", "refund-order-1042", {"amount": 2400})
-    services.step_approve(step=step, user=reviewer, version=step.version, reason="Charged twice.")
+    step_approve(step=step, user=reviewer, version=step.version, reason="Charged twice.")
 
     sign_in(page.context, owner, live_server.url)
     rule = Rule.objects.get(action="require_two")

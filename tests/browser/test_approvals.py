@@ -22,10 +22,12 @@ from django.db.models import F
 from django.utils import timezone
 from playwright.sync_api import Locator, Page, expect
 
-from executor import engine, selectors, services
-from executor.client import Stepward
-from executor.models import Agent, Approval, Event, Run, Step, ToolPolicy
-from executor.states import State
+from executor import engine
+from executor.ledger import selectors
+from executor.ledger.records import Agent, Approval, Event, Run, Step, ToolPolicy
+from executor.ledger.states import State
+from executor.services.tools import tool_policy_set
+from stepward_client.client import Stepward
 from tests.support.api import AgentAuth
 from tests.support.browser import (
     DOCS_DIR,
@@ -165,7 +167,7 @@ def test_an_approval_past_its_expiry_is_refused_at_claim_and_the_step_page_shows
     bob_page: Page, live_server: Any, agent: Agent, run: Run, reviewer: User
 ) -> None:
     page = bob_page
-    services.tool_policy_set(workspace=run.workspace, tool="echo", approval="always")
+    tool_policy_set(workspace=run.workspace, tool="echo", approval="always")
     step = post(agent, run, "echo", "echo-late", {"message": "approved, then forgotten"})
     assert step.state == State.PLANNED
 
@@ -343,7 +345,7 @@ def test_screenshots_of_a_step_awaiting_approval_and_the_admin_policy_page(
     tmp_path: Path,
 ) -> None:
     out = DOCS_DIR if os.environ.get("STEPWARD_SCREENSHOTS") == "1" else tmp_path
-    policy = services.tool_policy_set(workspace=run.workspace, tool="email.send", approval="always")
+    policy = tool_policy_set(workspace=run.workspace, tool="email.send", approval="always")
     assert policy is not None
 
     sign_in(page.context, owner, live_server.url)

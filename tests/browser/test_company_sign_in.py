@@ -16,10 +16,10 @@ import pytest
 from playwright.sync_api import Page, expect
 
 from console import signin
-from executor import services
-from executor.models import Agent, Run, SignInRole, Workspace, WorkspaceRole
+from executor.ledger.records import Agent, Run, SignInRole, Workspace, WorkspaceRole
+from executor.ledger.states import State
 from executor.services.signin import sign_in_role_save
-from executor.states import State
+from executor.services.tools import tool_policy_set
 from tests.support.browser import DOCS_DIR, VIEWPORT, inbox_row, png_size, post
 from tests.support.oidc import (
     CALLBACK,
@@ -59,7 +59,7 @@ def company(settings: Any, provider: Provider, workspace: Workspace) -> Provider
 @pytest.fixture
 def waiting(agent: Agent, run: Run) -> Any:
     """A call waiting for a person's approval in acme."""
-    services.tool_policy_set(workspace=run.workspace, tool="echo", approval="always")
+    tool_policy_set(workspace=run.workspace, tool="echo", approval="always")
     step = post(agent, run, "echo", "echo-sso", {"message": "signed in by the company"})
     assert step.state == State.PLANNED
     return step

@@ -22,9 +22,14 @@ from django.contrib.sessions.models import Session
 from django.utils import timezone
 from playwright.sync_api import Browser, Page, Route, expect
 
-from executor import engine, faults, recovery, selectors, services
-from executor.models import Agent, Approval, Attempt, Event, Phase, Run, RunStatus, Step
-from executor.states import State
+from executor import engine
+from executor.common import faults
+from executor.engine import recovery
+from executor.ledger import selectors
+from executor.ledger.records import Agent, Approval, Attempt, Event, Phase, Run, RunStatus, Step
+from executor.ledger.states import State
+from executor.services.reviews import compensation_request, step_approve
+from executor.services.runs import run_create
 from tests.support.browser import (
     DOCS_DIR,
     VIEWPORT,
@@ -470,7 +475,7 @@ def build_scene(
 ) -> dict[str, Any]:
     """One run with something in every review state, made by the engine, and a paused run.
     `reviewer` asks for the compensations; `approver` approves one (four eyes)."""
-    run, _ = services.run_create(
+    run, _ = run_create(
         agent=agent,
         name="support-triage-0412",
         max_calls=40,
@@ -480,10 +485,10 @@ def build_scene(
     execute(post(agent, run, "example.summarize", "summarize-inbox", {"mailbox": "support"}))
     execute(post(agent, run, "ticketdesk.create", "open-ticket-printer", TICKET))
     duplicate = execute(post(agent, run, "ticketdesk.create", "open-ticket-printer-again", TICKET))
-    undo = services.compensation_request(
+    undo = compensation_request(
         step=duplicate, user=reviewer, version=duplicate.version, reason="Opened twice."
     )
-    services.step_approve(step=undo, user=approver, version=undo.version, reason="Close it.")
+    step_approve(step=undo, user=approver, version=undo.version, reason="Close it.")
     execute(undo)
     vpn = execute(
         post(
@@ -494,7 +499,7 @@ def build_scene(
             {"title": "VPN drops every hour", "body": "Since Monday's update."},
         )
     )
-    services.compensation_request(
+    compensation_request(
         step=vpn, user=reviewer, version=vpn.version, reason="The customer fixed it themselves."
     )
 
@@ -526,7 +531,7 @@ def build_scene(
     blocked = blocked_step(agent, run, "email-customer")
     execute(post(agent, run, "example.summarize", "summarize-thread", {"thread": 77}))
 
-    nightly, _ = services.run_create(agent=agent, name="nightly-digest", max_calls=1)
+    nightly, _ = run_create(agent=agent, name="nightly-digest", max_calls=1)
     execute(post(agent, nightly, "echo", "collect", {"message": "collect"}))
     assert engine.process(post(agent, nightly, "echo", "send", {"message": "send"}).pk) == (
         State.PENDING

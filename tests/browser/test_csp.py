@@ -10,8 +10,8 @@ import pytest
 from django.contrib.auth.models import User
 from playwright.sync_api import ConsoleMessage, Page, Response, expect
 
-from executor.models import Agent, Run
-from executor.states import State
+from executor.ledger.records import Agent, Run
+from executor.ledger.states import State
 from tests.support.browser import blocked_step, dead_letter, fresh
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]

@@ -22,9 +22,9 @@ import pytest
 from django.contrib.auth.models import User
 from playwright.sync_api import Browser, BrowserContext, Page, expect
 
-from executor import services
-from executor.models import Agent, Event, Run, Step, StepClaim
-from executor.states import State
+from executor.ledger.records import Agent, Event, Run, Step, StepClaim
+from executor.ledger.states import State
+from executor.services.reviews import step_approve, step_reject
 from tests.support.browser import (
     DOCS_DIR,
     VIEWPORT,
@@ -133,7 +133,7 @@ def test_bulk_approval_lands_every_step_but_the_stale_one_which_is_named(
     for step in steps:
         page.get_by_label(f"Select {step.key} to approve or reject").check()
     # While bob was choosing, erin rejected refund-3: bob's page shows a version now gone.
-    services.step_reject(
+    step_reject(
         step=steps[2], user=second_reviewer, version=steps[2].version, reason="duplicate of C-1"
     )
     bulk = page.get_by_test_id("bulk-decide-form")
@@ -176,7 +176,7 @@ def test_bulk_rejection_lands_every_step_but_the_stale_one(
     open_page(page, live_server.url, "/")
     for step in steps:
         page.get_by_label(f"Select {step.key} to approve or reject").check()
-    services.step_approve(
+    step_approve(
         step=steps[0], user=second_reviewer, version=steps[0].version, reason="this one is right"
     )
     page.get_by_label("One reason for every selected step").fill("Posted twice by the agent.")
@@ -249,10 +249,8 @@ def test_the_decisions_page_says_who_decided_what_and_exports_it(
     page = bob_page
     approved = refund(agent, run, "refund-ok", 50, "F-1")
     rejected = refund(agent, run, "refund-no", 5000, "F-2")
-    services.step_approve(
-        step=approved, user=reviewer, version=approved.version, reason="customer called"
-    )
-    services.step_reject(
+    step_approve(step=approved, user=reviewer, version=approved.version, reason="customer called")
+    step_reject(
         step=rejected, user=second_reviewer, version=rejected.version, reason="over the limit"
     )
     open_page(page, live_server.url, "/")

@@ -19,9 +19,12 @@ import pytest
 from django.contrib.auth.models import User
 from playwright.sync_api import Page, expect
 
-from executor import engine, selectors, services
-from executor.models import Agent, Approval, Run
-from executor.states import State
+from executor import engine
+from executor.ledger import selectors
+from executor.ledger.records import Agent, Approval, Run
+from executor.ledger.states import State
+from executor.services.accounts import agent_set_tools
+from executor.services.tools import tools_load
 from tests.support.browser import (
     WORKER,
     decide,
@@ -43,11 +46,11 @@ MESSAGE = "Fix the invoice rounding (approved in the console)"
 @pytest.fixture
 def gated_git(agent: Agent, up: Upstream, repo: GitRepo, fresh_sessions: None) -> None:
     """mcp-server-git behind Stepward as `git`, each git_commit waiting for a person."""
-    report = services.tools_load(
+    report = tools_load(
         tables=[],
         upstreams=[git_upstream_table(up, repo, tools={"git_commit": {"approval": "always"}})],
     )
-    services.agent_set_tools(agent=agent, tools=None)
+    agent_set_tools(agent=agent, tools=None)
     assert report.listed[0].error == ""
     assert "git.git_commit" in report.listed[0].tools
 
@@ -172,7 +175,7 @@ def test_an_npm_servers_write_waits_is_approved_in_the_console_and_happens_once(
 ) -> None:
     """The reference memory server (npm), its create_entities a write a person approves."""
     graph = tmp_path / "memory.jsonl"
-    report = services.tools_load(
+    report = tools_load(
         tables=[],
         upstreams=[
             {
@@ -185,7 +188,7 @@ def test_an_npm_servers_write_waits_is_approved_in_the_console_and_happens_once(
         ],
     )
     assert report.listed[0].error == ""
-    services.agent_set_tools(agent=agent, tools=None)
+    agent_set_tools(agent=agent, tools=None)
     entity = {"name": "ada", "entityType": "person", "observations": ["wrote the first program"]}
     step = post(agent, run, "memory.create_entities", "remember-ada", {"entities": [entity]})
     assert step.state == State.PLANNED

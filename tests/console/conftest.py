@@ -11,16 +11,16 @@ from django.contrib.auth.models import User
 from django.test import Client
 from guardian.shortcuts import assign_perm
 
-from executor import services
-from executor.models import (
-    Agent,
-    Workspace,
-)
-from executor.models import Tool as ToolRow
-from executor.tools.base import (
+from executor.contract.tool import (
     register,
     unregister,
 )
+from executor.ledger.records import (
+    Agent,
+    Workspace,
+)
+from executor.ledger.records import Tool as ToolRow
+from executor.services.tools import tools_sync
 from tests.support.console import TOOLS, signed_in
 
 
@@ -39,7 +39,7 @@ def tools(agent: Agent) -> Iterator[None]:
     for cls in TOOLS:
         register(cls)
     try:
-        services.tools_sync()
+        tools_sync()
         for row in ToolRow.objects.filter(name__in=[cls.name for cls in TOOLS]):
             assign_perm("executor.use_tool", agent.user, row)
         yield

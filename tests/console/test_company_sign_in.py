@@ -26,8 +26,8 @@ from django.utils.html import escape
 from guardian.shortcuts import get_objects_for_user
 
 from console import signin
-from executor import engine, policy, services
-from executor.models import (
+from executor import engine
+from executor.ledger.records import (
     Agent,
     Run,
     SignInIdentity,
@@ -36,13 +36,17 @@ from executor.models import (
     Workspace,
     WorkspaceRole,
 )
+from executor.ledger.states import State
+from executor.policy import authorization
+from executor.services.posting import step_post
+from executor.services.reviews import step_approve
 from executor.services.signin import (
     Person,
     _identity_create,
     sign_in_role_save,
     sign_in_user,
 )
-from executor.states import State
+from executor.services.tools import tool_policy_set
 from tests.support.oidc import (
     CALLBACK,
     CLIENT_ID,
@@ -93,8 +97,8 @@ def holds(user: User, permission: str, workspace: Workspace) -> bool:
     as the engine sees it: the two agree."""
     fresh = User.objects.get(pk=user.pk)  # no permission cache
     by_guardian = fresh.has_perm(f"executor.{permission}", workspace)
-    if permission in policy.WORKSPACE_CODENAMES:
-        facts = policy.grants(users=[user.pk], workspaces=[workspace.pk], tools=[])
+    if permission in authorization.WORKSPACE_CODENAMES:
+        facts = authorization.grants(users=[user.pk], workspaces=[workspace.pk], tools=[])
         assert ((user.pk, permission, workspace.pk, "") in facts) == by_guardian
     return by_guardian
 
@@ -253,7 +257,7 @@ def test_a_group_removed_at_the_provider_takes_the_role_away_at_the_next_sign_in
     assert sign_in(third, "carol", "carol-at-example").status_code == 302
     assert not holds(carol, "review_steps", workspace)
     # Her approvals authorize nothing from now on: the recheck at every claim asks for
-    # approve_steps through the same grants (executor/policy.py approval_problem).
+    # approve_steps through the same grants (executor/authorization.py approval_problem).
     assert SignInIdentity.objects.get(user=carol).idp_groups == []
 
 
@@ -524,12 +528,12 @@ def test_an_approval_by_an_approver_demoted_at_the_provider_authorizes_nothing(
     assert sign_in(client, "judy", "judy-at-example").status_code == 302
     judy = signed_in_user(client)
     assert judy is not None
-    services.tool_policy_set(workspace=workspace, tool="echo", approval="always")
-    step, _ = services.step_post(
+    tool_policy_set(workspace=workspace, tool="echo", approval="always")
+    step, _ = step_post(
         agent=agent, run=run, key="echo-judy", tool_name="echo", input={"message": "hi"}
     )
     assert step.state == State.PLANNED
-    services.step_approve(step=step, user=judy, version=step.version, reason="Fine to send.")
+    step_approve(step=step, user=judy, version=step.version, reason="Fine to send.")
 
     # Judy leaves the approvers' group; her next sign-in says so, before any worker claims.
     company.person("judy", "judy-at-example", ["everyone"])

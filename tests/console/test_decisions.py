@@ -12,9 +12,9 @@ from django.contrib.auth.models import User
 from django.test import Client
 from django.urls import reverse
 
-from executor import services
-from executor.models import Agent, Approval, Run, Step, Workspace
-from executor.states import State
+from executor.ledger.records import Agent, Approval, Run, Step, Workspace
+from executor.ledger.states import State
+from executor.services.accounts import reviewer_create
 from tests.support.console import (
     blocked,
     compensation,
@@ -155,7 +155,7 @@ def test_a_stale_version_answers_409_naming_who_acted_and_when(
     case: Case, bob: Client, alice: Client, agent: Agent, run: Run, workspace: Workspace
 ) -> None:
     # Requested by a third reviewer: who requests a compensation may not approve it.
-    erin = services.reviewer_create(workspace=workspace, username="erin")
+    erin = reviewer_create(workspace=workspace, username="erin")
     step = case.build(agent, run, erin)
     assert case.post(alice, step).status_code == 302
     decided = reload(step)

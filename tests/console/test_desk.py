@@ -17,10 +17,14 @@ from django.test import AsyncClient, Client
 from django.urls import reverse
 from django.utils import timezone
 
-from executor import decisions, selectors, services
-from executor.models import Agent, Attempt, Event, Run, Step, StepClaim
-from executor.selectors import TimelineEntry
-from executor.states import State
+from executor.ledger import selectors
+from executor.ledger.records import Agent, Attempt, Event, Run, Step, StepClaim
+from executor.ledger.selectors import TimelineEntry
+from executor.ledger.states import State
+from executor.services import decisions
+from executor.services.accounts import reviewer_create
+from executor.services.reviews import deadletter_replay, step_approve, step_reject
+from executor.services.rules import rules_load
 from tests.support.console import (
     age,
     blocked,
@@ -50,7 +54,7 @@ def inbox(client: Client, **params: Any) -> Any:
 
 @pytest.fixture
 def erin(workspace: Any) -> User:
-    return services.reviewer_create(workspace=workspace, username="erin", password="erin-pw")
+    return reviewer_create(workspace=workspace, username="erin", password="erin-pw")
 
 
 @pytest.fixture
@@ -165,7 +169,7 @@ def test_bulk_approval_lands_each_step_and_names_the_stale_one(
     steps = [planned(agent, run, key=f"refund-{n}") for n in range(4)]
     seen = pick(*steps)
     # erin rejects one after bob loaded the page: bob's version of it is stale.
-    services.step_reject(step=steps[2], user=erin, version=steps[2].version, reason="duplicate")
+    step_reject(step=steps[2], user=erin, version=steps[2].version, reason="duplicate")
     response = bulk(bob, seen, "approve", "all four checked against the orders")
     assert response.status_code == 200
     assert "inbox-changed" in response["HX-Trigger"]
@@ -249,7 +253,7 @@ def test_a_first_of_two_approvals_is_reported_waiting_not_approved(
 ) -> None:
     """A require_two rule (docs/rules.md): the first reviewer's approval leaves the step
     planned, and the bulk result says so, with the service's own words."""
-    services.rules_load(
+    rules_load(
         tables=[{"tool": "console.gated", "when": "true", "action": "require_two", "reason": "two"}]
     )
     step = planned(agent, run, key="big-refund")
@@ -320,7 +324,7 @@ def test_claims_are_refused_to_outsiders_and_on_steps_that_wait_for_nobody(
     assert charlie.post(reverse("step_claim", args=[step.pk])).status_code == 404
     assert charlie.post(reverse("step_release", args=[step.pk])).status_code == 404
     assert bob.get(reverse("step_claim", args=[step.pk])).status_code == 405
-    services.step_reject(step=step, user=User.objects.get(username="bob"), version=1, reason="x")
+    step_reject(step=step, user=User.objects.get(username="bob"), version=1, reason="x")
     refused = bob.post(reverse("step_claim", args=[step.pk]), **htmx(target="step"))
     assert refused.status_code == 409
     assert "nothing waits for a person" in refused.content.decode().lower()
@@ -338,7 +342,7 @@ def test_the_step_page_answers_204_until_someone_decides_then_redraws(
     assert re.search(r'hx-trigger="every \d+s"', page)
     quiet = bob.get(poll, **htmx(target="step"))
     assert quiet.status_code == 204
-    services.step_approve(step=step, user=erin, version=step.version, reason="fine by me")
+    step_approve(step=step, user=erin, version=step.version, reason="fine by me")
     changed = bob.get(poll, **htmx(target="step"))
     assert changed.status_code == 200
     assert "inbox-changed" in changed["HX-Trigger"]
@@ -395,9 +399,7 @@ def test_reasons_on_pages_pass_through_redaction(
 ) -> None:
     step = planned(agent, run, key="refund")
     secret = "ghp_" + "A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8"
-    services.step_reject(
-        step=step, user=reviewer, version=step.version, reason=f"token leaked: {secret}"
-    )
+    step_reject(step=step, user=reviewer, version=step.version, reason=f"token leaked: {secret}")
     for url in (reverse("step", args=[step.pk]), reverse("decisions")):
         body = bob.get(url).content.decode()
         assert secret not in body
@@ -471,9 +473,9 @@ def decided(reviewer: User, erin: User, agent: Agent, run: Run) -> dict[str, Ste
     a = planned(agent, run, key="refund-a")
     b = planned(agent, run, key="refund-b")
     c = dead(agent, run, key="hook-c")
-    services.step_approve(step=a, user=reviewer, version=a.version, reason="order verified")
-    services.step_reject(step=b, user=erin, version=b.version, reason="=HYPERLINK(evil)")
-    services.deadletter_replay(step=c, user=erin, version=c.version, reason="partner is back")
+    step_approve(step=a, user=reviewer, version=a.version, reason="order verified")
+    step_reject(step=b, user=erin, version=b.version, reason="=HYPERLINK(evil)")
+    deadletter_replay(step=c, user=erin, version=c.version, reason="partner is back")
     return {"a": a, "b": b, "c": c}
 
 
@@ -572,7 +574,7 @@ def test_the_csv_export_reads_in_chunks(
 ) -> None:
     steps = [planned(agent, run, key=f"r-{n}") for n in range(5)]
     for step in steps:
-        services.step_reject(step=step, user=reviewer, version=step.version, reason="no")
+        step_reject(step=step, user=reviewer, version=step.version, reason="no")
     chunks = list(
         selectors.decisions_chunks(
             decisions=selectors.DecisionFilter(workspace_ids=(run.workspace_id,)), chunk=2

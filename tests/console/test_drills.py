@@ -8,7 +8,7 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from executor.models import DrillReport
+from executor.ledger.records import DrillReport
 from tests.support.console import read
 
 

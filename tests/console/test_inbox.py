@@ -12,9 +12,12 @@ from django.contrib.auth.models import User
 from django.test import Client
 from django.urls import reverse
 
-from executor import recovery, services
-from executor.models import Agent, Run, Step
-from executor.states import State
+from executor.engine import recovery
+from executor.ledger.records import Agent, Run, Step
+from executor.ledger.states import State
+from executor.services.reviews import deadletter_replay
+from executor.services.runs import run_create
+from executor.services.tools import tools_sync
 from tests.support.console import (
     age,
     blocked,
@@ -75,7 +78,7 @@ def test_an_empty_inbox_says_nothing_waits(bob: Client) -> None:
 def test_the_inbox_groups_and_counts_what_waits(
     bob: Client, waiting: dict[str, Step], agent: Agent
 ) -> None:
-    other, _ = services.run_create(agent=agent, name="budget run")
+    other, _ = run_create(agent=agent, name="budget run")
     paused(other)
     response = inbox(bob)
     assert tab_counts(response) == {
@@ -114,7 +117,7 @@ def test_the_state_filter_shows_one_kind(bob: Client, waiting: dict[str, Step]) 
 
 
 def test_paused_runs_have_their_own_filter(bob: Client, agent: Agent) -> None:
-    other, _ = services.run_create(agent=agent, name="budget run")
+    other, _ = run_create(agent=agent, name="budget run")
     paused(other)
     response = inbox(bob, "?state=paused")
     assert listed(response) == []
@@ -157,8 +160,8 @@ def test_waiting_since_is_when_the_step_began_to_wait_not_its_last_lookup(
 def test_the_workspace_filter_and_a_reviewer_of_two_workspaces(
     alice: Client, waiting: dict[str, Step], other_agent_auth: Any, other_workspace: Any
 ) -> None:
-    services.tools_sync()
-    other_run, _ = services.run_create(agent=other_agent_auth.agent, name="globex run")
+    tools_sync()
+    other_run, _ = run_create(agent=other_agent_auth.agent, name="globex run")
     dead(other_agent_auth.agent, other_run, key="globex-dead", tool="echo")
     assert "globex-dead" in listed(inbox(alice))
     assert listed(inbox(alice, f"?workspace={other_workspace.pk}")) == ["globex-dead"]
@@ -167,7 +170,7 @@ def test_the_workspace_filter_and_a_reviewer_of_two_workspaces(
 def test_a_reviewer_sees_only_their_workspaces(
     bob: Client, charlie: Client, waiting: dict[str, Step], other_agent_auth: Any
 ) -> None:
-    other_run, _ = services.run_create(agent=other_agent_auth.agent, name="globex run")
+    other_run, _ = run_create(agent=other_agent_auth.agent, name="globex run")
     dead(other_agent_auth.agent, other_run, key="globex-dead", tool="echo")
     assert "globex-dead" not in listed(inbox(bob))
     assert listed(inbox(charlie)) == ["globex-dead"]
@@ -324,7 +327,7 @@ def test_bulk_replay_with_htmx_redraws_the_list_with_the_outcome(
 ) -> None:
     fresh, stale = dead(agent, run, key="fresh"), dead(agent, run, key="stale")
     old = pick(stale)
-    services.deadletter_replay(
+    deadletter_replay(
         step=stale, user=User.objects.get(username="bob"), version=stale.version, reason="first"
     )
     response = bob.post(
@@ -346,7 +349,7 @@ def test_bulk_replay_with_htmx_redraws_the_list_with_the_outcome(
 def test_bulk_replay_of_only_stale_rows_is_409(bob: Client, agent: Agent, run: Run) -> None:
     step = dead(agent, run)
     old = pick(step)
-    services.deadletter_replay(
+    deadletter_replay(
         step=step, user=User.objects.get(username="bob"), version=step.version, reason="first"
     )
     with unchanged(step):

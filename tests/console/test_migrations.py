@@ -10,9 +10,9 @@ from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
 from django.utils import timezone
 
-from executor import recovery
-from executor.models import Agent, Event, Run, Step
-from executor.states import State
+from executor.engine import recovery
+from executor.ledger.records import Agent, Event, Run, Step
+from executor.ledger.states import State
 from tests.support.console import age, reload, unknown
 
 pytestmark = [

@@ -11,8 +11,8 @@ from django.template.loader import render_to_string
 from django.test import Client
 from django.urls import reverse
 
-from executor import decisions
-from executor.models import Agent, Run
+from executor.ledger.records import Agent, Run
+from executor.services import decisions
 from tests.support.console import dead, htmx, planned, read
 
 pytestmark = pytest.mark.usefixtures("tools")
@@ -113,10 +113,11 @@ def test_a_reviewer_sees_pages_and_regions_of_their_workspace(
 def test_the_superuser_sees_every_workspace(
     alice: Client, other_agent_auth: Any, owner: User
 ) -> None:
-    from executor import services
+    from executor.services.runs import run_create
+    from executor.services.tools import tools_sync
 
-    services.tools_sync()
-    other_run, _ = services.run_create(agent=other_agent_auth.agent, name="globex run")
+    tools_sync()
+    other_run, _ = run_create(agent=other_agent_auth.agent, name="globex run")
     step = dead(other_agent_auth.agent, other_run, key="globex-dead", tool="echo")
     assert alice.get(reverse("step", args=[step.pk])).status_code == 200
     assert alice.get(reverse("run", args=[other_run.pk])).status_code == 200

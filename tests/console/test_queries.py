@@ -9,8 +9,10 @@ from django.contrib.auth.models import User
 from django.test import Client
 from django.urls import reverse
 
-from executor import services
-from executor.models import Agent, Run, Step
+from executor.ledger.records import Agent, Run, Step
+from executor.services.reviews import step_reject
+from executor.services.runs import run_create
+from executor.services.tools import tools_sync
 from tests.support.console import bulk_steps, htmx, paused
 
 # A signed-in reviewer's inbox page, query by query:
@@ -33,10 +35,10 @@ def warm(client: Client) -> None:
 @pytest.fixture
 def ledger(agent: Agent, run: Run, other_agent_auth: Any) -> None:
     """Waiting steps in two workspaces, and a paused run, so every query has rows."""
-    services.tools_sync()
-    held, _ = services.run_create(agent=agent, name="held")
+    tools_sync()
+    held, _ = run_create(agent=agent, name="held")
     paused(held)
-    other_run, _ = services.run_create(agent=other_agent_auth.agent, name="globex")
+    other_run, _ = run_create(agent=other_agent_auth.agent, name="globex")
     bulk_steps(other_run, 50)
 
 
@@ -107,7 +109,7 @@ def test_search_sort_and_claims_cost_no_query_more(
     claims come with the page's steps (a join), the search and sort are its conditions."""
     from django.utils import timezone
 
-    from executor.models import StepClaim
+    from executor.ledger.records import StepClaim
 
     client = Client()
     client.force_login(reviewer)
@@ -154,7 +156,7 @@ def test_the_decisions_page_query_count_is_fixed(
         for _ in range(count):
             made += 1
             step = planned(agent, run, key=f"r-{made}")
-            services.step_reject(step=step, user=reviewer, version=step.version, reason="no")
+            step_reject(step=step, user=reviewer, version=step.version, reason="no")
 
     reject(3)
     with django_assert_num_queries(DECISIONS_QUERIES):

@@ -12,8 +12,10 @@ from django.urls import reverse
 from django.utils import timezone
 
 from console import views
-from executor import services
-from executor.models import Agent, Run, RunEvent, RunStatus
+from executor.ledger.records import Agent, Run, RunEvent, RunStatus
+from executor.services.accounts import reviewer_create
+from executor.services.reviews import step_approve
+from executor.services.runs import run_cancel, run_create
 from tests.support.console import (
     completed,
     dead,
@@ -38,7 +40,7 @@ def test_the_runs_list_shows_the_reviewers_runs_with_counts(
 ) -> None:
     completed(agent, run, key="a")
     dead(agent, run, key="b")
-    services.run_create(agent=other_agent_auth.agent, name="globex run")
+    run_create(agent=other_agent_auth.agent, name="globex run")
     response = bob.get(reverse("runs"))
     assert response.status_code == 200
     page = read(response)
@@ -49,8 +51,8 @@ def test_the_runs_list_shows_the_reviewers_runs_with_counts(
 
 def test_the_runs_list_filters_by_status_and_pages(bob: Client, agent: Agent) -> None:
     for n in range(5):
-        services.run_create(agent=agent, name=f"run {n}")
-    held, _ = services.run_create(agent=agent, name="held run")
+        run_create(agent=agent, name=f"run {n}")
+    held, _ = run_create(agent=agent, name="held run")
     paused(held)
     only_paused = read(bob.get(reverse("runs") + "?status=paused"))
     assert "held run" in only_paused.text
@@ -74,7 +76,7 @@ def test_the_run_page_shows_progress_by_state(bob: Client, agent: Agent, run: Ru
 
 
 def test_the_run_page_shows_budget_usage_with_numbers(bob: Client, agent: Agent) -> None:
-    run, _ = services.run_create(agent=agent, name="bounded", max_calls=4, max_cost=Decimal(2))
+    run, _ = run_create(agent=agent, name="bounded", max_calls=4, max_cost=Decimal(2))
     completed(agent, run, key="a")
     page = read(run_page(bob, run))
     assert "Calls 1 of 4" in page.text
@@ -110,7 +112,7 @@ def test_the_live_region_polls_while_the_run_is_open(bob: Client, run: Run) -> N
     body = response.content.decode()
     assert body.lstrip().startswith('<div id="run-live"')
     assert 'hx-trigger="every 5s"' in body
-    services.run_cancel(run=run, actor="agent:x")
+    run_cancel(run=run, actor="agent:x")
     assert (
         'hx-trigger="every 5s"' not in bob.get(reverse("run_live", args=[run.pk])).content.decode()
     )
@@ -123,9 +125,9 @@ def test_the_live_region_carries_the_steps_table(bob: Client, agent: Agent, run:
     assert "waits" in live.text
     assert "planned" in live.text
     # The table follows the ledger at the next poll, as the report above it does.
-    services.step_approve(
+    step_approve(
         step=step,
-        user=services.reviewer_create(workspace=run.workspace, username="erin"),
+        user=reviewer_create(workspace=run.workspace, username="erin"),
         version=step.version,
         reason="fine",
     )
@@ -137,7 +139,7 @@ def test_the_live_region_carries_the_steps_table(bob: Client, agent: Agent, run:
 def test_a_poll_after_the_run_changed_status_redraws_the_page(bob: Client, run: Run) -> None:
     url = reverse("run_live", args=[run.pk]) + "?seen=open"
     assert "HX-Refresh" not in bob.get(url, **htmx(target="run-live")).headers
-    services.run_cancel(run=run, actor="agent:x")
+    run_cancel(run=run, actor="agent:x")
     response = bob.get(url, **htmx(target="run-live"))
     assert response.headers["HX-Refresh"] == "true"
 
@@ -161,7 +163,7 @@ def test_durations_read_as_a_person_says_them(seconds: float, shown: str) -> Non
 
 
 def test_an_hours_deadline_reads_one_hour(bob: Client, agent: Agent) -> None:
-    run, _ = services.run_create(agent=agent, name="hour", deadline_seconds=3600)
+    run, _ = run_create(agent=agent, name="hour", deadline_seconds=3600)
     assert "of 1 h" in read(run_page(bob, run)).text
 
 

@@ -13,9 +13,10 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
-from executor import selectors, services
-from executor.models import Agent, Run
-from executor.states import State
+from executor.ledger import selectors
+from executor.ledger.records import Agent, Run
+from executor.ledger.states import State
+from executor.services.runs import run_create
 from tests.support import grown
 
 pytestmark = [pytest.mark.postgres, pytest.mark.usefixtures("tools")]
@@ -39,7 +40,7 @@ def assert_bounded(query: dict[str, Any], tree: dict[str, Any], *, most: int) ->
 def test_the_runs_list_reads_a_page_of_runs_and_their_counters(agent: Agent, run: Run) -> None:
     grown.grow_runs(agent, 5_000)
     grown.grow_steps(run, 50_000)
-    newest, _ = services.run_create(agent=agent, name="newest")
+    newest, _ = run_create(agent=agent, name="newest")
     grown.grow_steps(newest, 30, state=State.UNKNOWN)
 
     with CaptureQueriesContext(connection) as queries:
@@ -84,7 +85,7 @@ def shapes(queries: CaptureQueriesContext) -> list[str]:
 def test_a_run_of_fifty_thousand_steps_opens_as_one_of_fifty(
     bob: Client, agent: Agent, run: Run
 ) -> None:
-    small, _ = services.run_create(agent=agent, name="small")
+    small, _ = run_create(agent=agent, name="small")
     grown.grow_steps(small, 40)
     grown.grow_steps(small, 10, state=State.UNKNOWN, start=40)
     grown.grow_steps(run, 49_990)

@@ -17,7 +17,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from console.security import client_ip
-from executor.models import Agent, DrillReport, Run
+from executor.ledger.records import Agent, DrillReport, Run
 from tests.support.console import dead, unknown
 
 pytestmark = pytest.mark.django_db

@@ -9,7 +9,7 @@ import pytest
 from django.test import Client
 from django.urls import reverse
 
-from executor.models import Agent, Run
+from executor.ledger.records import Agent, Run
 from tests.support.console import (
     blocked,
     compensation,

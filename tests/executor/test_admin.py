@@ -11,8 +11,7 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from executor import services
-from executor.models import (
+from executor.ledger.records import (
     Agent,
     Approval,
     Attempt,
@@ -25,6 +24,7 @@ from executor.models import (
     Workspace,
     hash_token,
 )
+from executor.services.posting import step_post
 
 ALL_MODELS = [Workspace, Tool, Agent, Run, Step, Attempt, Event, Approval, DrillReport]
 READ_ONLY_MODELS = [Run, Step, Attempt, Event, Approval, DrillReport]
@@ -43,7 +43,7 @@ def admin_client(client: Client, owner: Any) -> Client:
 @pytest.fixture
 def ledger(agent: Agent, run: Run) -> dict[type[Any], Any]:
     """One row of every model, the ledger's written through the services."""
-    step, _ = services.step_post(
+    step, _ = step_post(
         agent=agent, run=run, key="greet", tool_name="echo", input={"message": "hello"}
     )
     attempt = Attempt.objects.create(
@@ -73,7 +73,7 @@ def ledger(agent: Agent, run: Run) -> dict[type[Any], Any]:
         Event: Event.objects.filter(step=step).order_by("seq").first(),
         # The policy approved the step (no row of its own): an approval of another step.
         Approval: Approval.objects.create(
-            step=services.step_post(
+            step=step_post(
                 agent=agent,
                 run=Run.objects.create(workspace=run.workspace, agent=agent, name="other"),
                 key="other",

@@ -20,8 +20,18 @@ from django.db import connection
 from django.utils import timezone
 from guardian.shortcuts import assign_perm, remove_perm
 
-from executor import services, transitions
-from executor.models import (
+from executor.contract.tool import (
+    Invocation,
+    RetryPolicy,
+    ToolResult,
+    all_tools,
+    get_tool,
+    register,
+    unregister,
+)
+from executor.contract.tool import Tool as ToolBase
+from executor.ledger import transitions
+from executor.ledger.records import (
     Agent,
     ApprovalRule,
     Effect,
@@ -32,17 +42,9 @@ from executor.models import (
     Step,
     Tool,
 )
-from executor.states import State
-from executor.tools.base import (
-    Invocation,
-    RetryPolicy,
-    ToolResult,
-    all_tools,
-    get_tool,
-    register,
-    unregister,
-)
-from executor.tools.base import Tool as ToolBase
+from executor.ledger.states import State
+from executor.services.accounts import agent_create
+from executor.services.tools import tools_sync
 from tests.support.api import AgentAuth, ApiClient, error_of
 from tests.support.factories import advance, new_step, step_in
 
@@ -708,7 +710,7 @@ def test_an_agent_with_submit_steps_may_cancel_another_agents_run_in_its_workspa
     api: ApiClient, agent: Agent
 ) -> None:
     # The workspace is the unit of permission: as it may post to any run there, it may stop one.
-    colleague, token = services.agent_create(workspace=agent.workspace, name="bob-bot")
+    colleague, token = agent_create(workspace=agent.workspace, name="bob-bot")
     theirs = ApiClient(AgentAuth(colleague, token)).post(f"{API}/runs", {"name": "bob's"}).json()
 
     response = api.post(f"{API}/runs/{theirs['id']}/cancel", {"reason": "supervisor stop"})
@@ -790,7 +792,7 @@ class SecretLogin(ToolBase):
 def secret_tool(agent: Agent) -> Iterator[str]:
     register(SecretLogin)
     try:
-        services.tools_sync()
+        tools_sync()
         assign_perm("executor.use_tool", agent.user, Tool.objects.get(name=SecretLogin.name))
         yield SecretLogin.name
     finally:

@@ -15,11 +15,12 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connection
 from django.test import Client
 
-from executor import limits, transitions
-from executor.api import long_polls_held
 from executor.drill.processes import wait_until
-from executor.models import Run, Step
-from executor.states import State
+from executor.ledger import transitions
+from executor.ledger.records import Run, Step
+from executor.ledger.states import State
+from executor.surfaces import limits
+from executor.surfaces.api import long_polls_held
 from tests.support.api import AgentAuth, ApiClient, error_of
 from tests.support.factories import new_step
 

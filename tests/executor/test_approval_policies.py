@@ -12,11 +12,23 @@ import pytest
 from django.contrib.auth.models import User
 from django.core.management import CommandError, call_command
 
-from executor import dispatch, engine, services
-from executor.models import Agent, Approval, Run, Step, Workspace
-from executor.selectors import InboxFilter, InboxKind, inbox_counts
-from executor.states import State
-from executor.tools.base import FailureClass, Lookup, LookupOutcome
+from executor import engine
+from executor.common import dispatch
+from executor.contract.tool import FailureClass, Lookup, LookupOutcome
+from executor.ledger.records import Agent, Approval, Run, Step, Workspace
+from executor.ledger.selectors import InboxFilter, InboxKind, inbox_counts
+from executor.ledger.states import State
+from executor.services.accounts import agent_set_tools, reviewer_create
+from executor.services.base import Conflict, Invalid, NotPermitted
+from executor.services.posting import step_post
+from executor.services.reviews import (
+    Resolution,
+    compensation_request,
+    step_approve,
+    step_resolve_unknown,
+)
+from executor.services.runs import run_create
+from executor.services.tools import tool_policy_set
 from tests.support import tooling
 from tests.support.api import ApiClient
 from tests.support.tooling import CostlyTool, LookupTool, UndoTool, post, reload
@@ -42,7 +54,7 @@ def set_policy(workspace: Workspace, tool: str, approval: str, **options: Any) -
 def test_email_send_is_irreversible_and_waits_for_a_person_by_default(
     agent: Agent, run: Run, api: ApiClient
 ) -> None:
-    step, _ = services.step_post(
+    step, _ = step_post(
         agent=agent,
         run=run,
         key="mail",
@@ -57,7 +69,7 @@ def test_email_send_is_irreversible_and_waits_for_a_person_by_default(
 
 
 def test_a_policy_is_named_by_its_tool_name_workspace_and_rule(workspace: Workspace) -> None:
-    policy = services.tool_policy_set(workspace=workspace, tool="test.pure", approval="always")
+    policy = tool_policy_set(workspace=workspace, tool="test.pure", approval="always")
 
     assert str(policy) == "test.pure in acme: always"
 
@@ -72,9 +84,9 @@ def test_always_makes_every_call_of_the_tool_wait_in_that_workspace_only(
     assert here.state == State.PLANNED
     assert engine.process(here.pk, worker="w1") == engine.Outcome.SKIPPED
     other = other_agent_auth.agent
-    services.agent_set_tools(agent=other, tools=None)
-    elsewhere_run, _ = services.run_create(agent=other, name="elsewhere")
-    elsewhere, _ = services.step_post(
+    agent_set_tools(agent=other, tools=None)
+    elsewhere_run, _ = run_create(agent=other, name="elsewhere")
+    elsewhere, _ = step_post(
         agent=other, run=elsewhere_run, key="k", tool_name="test.pure", input={}
     )
     assert elsewhere.state == State.PENDING
@@ -86,9 +98,9 @@ def test_a_reviewers_approval_lets_it_run_and_a_policy_change_voids_it(
     set_policy(workspace, "test.pure", "always")
     waiting = post(agent, run, "test.pure", key="waiting")
     approved = post(agent, run, "test.pure", key="approved")
-    services.step_approve(step=approved, user=reviewer, version=approved.version, reason="ok")
+    step_approve(step=approved, user=reviewer, version=approved.version, reason="ok")
     assert engine.process(approved.pk, worker="w1") == State.COMPLETED
-    services.step_approve(step=waiting, user=reviewer, version=waiting.version, reason="ok")
+    step_approve(step=waiting, user=reviewer, version=waiting.version, reason="ok")
 
     set_policy(workspace, "test.pure", "by_policy")
 
@@ -153,16 +165,16 @@ def completed_undoable(agent: Agent, run: Run) -> Step:
 def test_the_reviewer_who_requested_a_compensation_cannot_approve_it(
     completed_undoable: Step, reviewer: User, workspace: Workspace
 ) -> None:
-    undo = services.compensation_request(
+    undo = compensation_request(
         step=completed_undoable, user=reviewer, version=completed_undoable.version, reason="x"
     )
 
-    with pytest.raises(services.NotPermitted, match="you requested this step yourself"):
-        services.step_approve(step=undo, user=reviewer, version=undo.version, reason="mine")
+    with pytest.raises(NotPermitted, match="you requested this step yourself"):
+        step_approve(step=undo, user=reviewer, version=undo.version, reason="mine")
 
     assert reload(undo).state == State.PLANNED
-    other = services.reviewer_create(workspace=workspace, username="erin")
-    services.step_approve(step=undo, user=other, version=undo.version, reason="checked")
+    other = reviewer_create(workspace=workspace, username="erin")
+    step_approve(step=undo, user=other, version=undo.version, reason="checked")
     assert reload(undo).state == State.PENDING
 
 
@@ -170,11 +182,11 @@ def test_a_one_person_team_may_approve_its_own_request(
     completed_undoable: Step, reviewer: User, settings: Any
 ) -> None:
     settings.EXECUTOR_ALLOW_SELF_APPROVAL = True
-    undo = services.compensation_request(
+    undo = compensation_request(
         step=completed_undoable, user=reviewer, version=completed_undoable.version, reason="x"
     )
 
-    services.step_approve(step=undo, user=reviewer, version=undo.version, reason="alone")
+    step_approve(step=undo, user=reviewer, version=undo.version, reason="alone")
 
     assert reload(undo).state == State.PENDING
 
@@ -182,11 +194,11 @@ def test_a_one_person_team_may_approve_its_own_request(
 def test_a_failed_compensation_stays_in_the_inbox(
     completed_undoable: Step, reviewer: User, workspace: Workspace
 ) -> None:
-    undo = services.compensation_request(
+    undo = compensation_request(
         step=completed_undoable, user=reviewer, version=completed_undoable.version, reason="x"
     )
-    other = services.reviewer_create(workspace=workspace, username="erin")
-    services.step_approve(step=undo, user=other, version=undo.version, reason="ok")
+    other = reviewer_create(workspace=workspace, username="erin")
+    step_approve(step=undo, user=other, version=undo.version, reason="ok")
     UndoTool.will(FailureClass.INVALID_INPUT)
 
     assert engine.process(undo.pk, worker="w1") == State.FAILED
@@ -208,11 +220,11 @@ def unknown(agent: Agent, run: Run) -> Step:
 
 
 def resolve(step: Step, user: User, external_id: str) -> Step:
-    return services.step_resolve_unknown(
+    return step_resolve_unknown(
         step=step,
         user=user,
         version=step.version,
-        resolution=services.Resolution.HAPPENED,
+        resolution=Resolution.HAPPENED,
         reason="found it at the desk",
         external_id=external_id,
     )
@@ -224,9 +236,7 @@ def test_an_external_id_of_the_wrong_form_is_refused_naming_the_form(
     monkeypatch.setattr(LookupTool, "external_id_pattern", r"T-[0-9]+")
     monkeypatch.setattr(LookupTool, "external_id_example", "T-42")
 
-    with pytest.raises(
-        services.Invalid, match=r"expected an id matching T-\[0-9\]\+, e.g. T-42"
-    ) as refused:
+    with pytest.raises(Invalid, match=r"expected an id matching T-\[0-9\]\+, e.g. T-42") as refused:
         resolve(unknown, reviewer, "R1-found")
 
     # The field's own error names the form too (the console shows it under the field).
@@ -243,7 +253,7 @@ def test_the_lookup_confirms_the_external_id_before_it_is_recorded(
 ) -> None:
     LookupTool.answer = Lookup(LookupOutcome.FOUND, external_id="T-7")
 
-    with pytest.raises(services.Conflict, match="finds this operation's effect as 'T-7'"):
+    with pytest.raises(Conflict, match="finds this operation's effect as 'T-7'"):
         resolve(unknown, reviewer, "T-8")
 
     done = resolve(unknown, reviewer, "T-7")
@@ -253,7 +263,7 @@ def test_the_lookup_confirms_the_external_id_before_it_is_recorded(
 def test_an_authoritative_not_found_refuses_it_happened(unknown: Step, reviewer: User) -> None:
     LookupTool.answer = Lookup(LookupOutcome.NOT_FOUND)
 
-    with pytest.raises(services.Conflict, match="finds no effect of this operation"):
+    with pytest.raises(Conflict, match="finds no effect of this operation"):
         resolve(unknown, reviewer, "T-1")
 
     assert not Approval.objects.filter(step=unknown, approver=reviewer).exists()

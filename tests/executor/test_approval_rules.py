@@ -16,12 +16,28 @@ from django.core.exceptions import ValidationError
 from django.core.management import CommandError, call_command
 from guardian.shortcuts import assign_perm
 
-from executor import conditions, dispatch, engine, progress, services, transitions
-from executor.models import Agent, Approval, Rule, Run, Signoff, Workspace
-from executor.models import Tool as ToolRow
+from executor import engine
+from executor.common import conditions, dispatch
+from executor.contract.tool import Effect, Idempotency, register, unregister
+from executor.engine import progress
+from executor.ledger import transitions
+from executor.ledger.records import Agent, Approval, Rule, Run, Signoff, Workspace
+from executor.ledger.records import Tool as ToolRow
+from executor.ledger.states import State
 from executor.services import reviews
-from executor.states import State
-from executor.tools.base import Effect, Idempotency, register, unregister
+from executor.services.accounts import reviewer_create
+from executor.services.base import NotPermitted
+from executor.services.posting import step_requirement
+from executor.services.reviews import (
+    ApprovalOutcome,
+    ApprovalResult,
+    step_approval_status,
+    step_approval_try,
+    step_approve,
+    step_resume,
+    steps_approve,
+)
+from executor.services.tools import tools_sync
 from tests.support import tooling
 from tests.support.tooling import ScriptedTool, post, reload
 
@@ -40,7 +56,7 @@ class RefundTool(ScriptedTool):
 def engine_env(agent: Agent) -> Iterator[None]:
     with tooling.installed(agent), dispatch.publishing(dispatch.dropping_publisher):
         register(RefundTool)
-        services.tools_sync()
+        tools_sync()
         assign_perm("executor.use_tool", agent.user, ToolRow.objects.get(name=RefundTool.name))
         try:
             yield
@@ -52,7 +68,7 @@ def engine_env(agent: Agent) -> Iterator[None]:
 @pytest.fixture
 def dora(workspace: Workspace) -> User:
     """A second reviewer."""
-    return services.reviewer_create(workspace=workspace, username="dora", password="dora-pw")
+    return reviewer_create(workspace=workspace, username="dora", password="dora-pw")
 
 
 REFUND_RULES = """
@@ -84,9 +100,9 @@ def refund(agent: Agent, run: Run, amount: int, key: str | None = None) -> Any:
     )
 
 
-def approve(step: Any, user: User) -> services.ApprovalResult:
+def approve(step: Any, user: User) -> ApprovalResult:
     step = reload(step)
-    return services.step_approval_try(step=step, user=user, version=step.version, reason="ok")
+    return step_approval_try(step=step, user=user, version=step.version, reason="ok")
 
 
 # --- what the rules decide ------------------------------------------------------------------
@@ -105,22 +121,22 @@ def test_a_refund_of_50_completes_alone_500_waits_for_a_person_5000_needs_two(
 
     assert medium.state == State.PLANNED
     assert engine.process(medium.pk, worker="w1") == engine.Outcome.SKIPPED
-    assert approve(medium, reviewer).outcome == services.ApprovalOutcome.APPROVED
+    assert approve(medium, reviewer).outcome == ApprovalOutcome.APPROVED
     assert engine.process(medium.pk, worker="w1") == State.COMPLETED
 
     assert large.state == State.PLANNED
     first = approve(large, reviewer)
-    assert first.outcome == services.ApprovalOutcome.WAITING
+    assert first.outcome == ApprovalOutcome.WAITING
     assert first.approvers == ("bob",)
     assert first.still_needed == 1
     assert reload(large).state == State.PLANNED
-    assert services.step_approval_status(reload(large))["approvers"] == ["bob"]
+    assert step_approval_status(reload(large))["approvers"] == ["bob"]
     again = approve(large, reviewer)
-    assert again.outcome == services.ApprovalOutcome.REFUSED
+    assert again.outcome == ApprovalOutcome.REFUSED
     assert "second, different reviewer" in again.message
     assert reload(large).state == State.PLANNED
     second = approve(large, dora)
-    assert second.outcome == services.ApprovalOutcome.APPROVED
+    assert second.outcome == ApprovalOutcome.APPROVED
     assert second.approvers == ("bob", "dora")
     assert engine.process(large.pk, worker="w1") == State.COMPLETED
     approval = Approval.objects.get(step=large, approver__isnull=False)
@@ -144,7 +160,7 @@ def test_the_first_matching_rule_decides(agent: Agent, run: Run, tmp_path: Path)
 
     large = refund(agent, run, 5000)
 
-    requirement = services.step_requirement(large)
+    requirement = step_requirement(large)
     assert requirement.need == 1
     assert "refunds over 100 need a person" in requirement.describe()
 
@@ -260,7 +276,7 @@ reason = "frozen"
 
     result = approve(step, reviewer)
 
-    assert result.outcome == services.ApprovalOutcome.REFUSED
+    assert result.outcome == ApprovalOutcome.REFUSED
     assert "frozen" in result.message
     assert reload(step).state == State.PLANNED
 
@@ -273,7 +289,7 @@ def test_a_rule_change_invalidates_an_approval_given_before_it(
 ) -> None:
     load(tmp_path, REFUND_RULES)
     step = refund(agent, run, 500)
-    assert approve(step, reviewer).outcome == services.ApprovalOutcome.APPROVED
+    assert approve(step, reviewer).outcome == ApprovalOutcome.APPROVED
 
     said = load(tmp_path, REFUND_RULES.replace("refunds over 100 need a person", "reworded"))
 
@@ -316,12 +332,12 @@ def test_a_first_approval_under_the_old_rules_does_not_count_toward_two(
 ) -> None:
     load(tmp_path, REFUND_RULES)
     step = refund(agent, run, 5000)
-    assert approve(step, reviewer).outcome == services.ApprovalOutcome.WAITING
+    assert approve(step, reviewer).outcome == ApprovalOutcome.WAITING
 
     load(tmp_path, REFUND_RULES.replace("two people", "two people, always"))
 
     result = approve(step, dora)
-    assert result.outcome == services.ApprovalOutcome.WAITING
+    assert result.outcome == ApprovalOutcome.WAITING
     assert result.approvers == ("dora",)
 
 
@@ -336,11 +352,11 @@ def test_a_blocked_step_under_require_two_resumes_only_with_two_reviewers(
     assert engine.process(step.pk, worker="w1") == State.BLOCKED
 
     blocked = reload(step)
-    services.step_resume(step=blocked, user=reviewer, version=blocked.version, reason="still ok")
+    step_resume(step=blocked, user=reviewer, version=blocked.version, reason="still ok")
     assert reload(step).state == State.BLOCKED
-    with pytest.raises(services.NotPermitted, match="already approved"):
-        services.step_resume(step=blocked, user=reviewer, version=blocked.version, reason="ok")
-    services.step_resume(step=blocked, user=dora, version=blocked.version, reason="agreed")
+    with pytest.raises(NotPermitted, match="already approved"):
+        step_resume(step=blocked, user=reviewer, version=blocked.version, reason="ok")
+    step_resume(step=blocked, user=dora, version=blocked.version, reason="agreed")
 
     assert reload(step).state == State.PENDING
     assert engine.process(step.pk, worker="w1") == State.COMPLETED
@@ -354,7 +370,7 @@ def test_an_approval_by_one_person_does_not_pass_a_claim_that_needs_two(
     load(tmp_path, REFUND_RULES)
     step = refund(agent, run, 5000)
     first = approve(step, reviewer)
-    assert first.outcome == services.ApprovalOutcome.WAITING
+    assert first.outcome == ApprovalOutcome.WAITING
     # Forge the second half: an Approval row by the same reviewer, the step moved on.
     fresh = reload(step)
     reviews._approve(fresh, user=reviewer, reason="forged", now=fresh.updated_at)
@@ -452,7 +468,7 @@ reason = "checked lines"
     short = post(agent, run, RefundTool.name, key="short", input={"amount": 1, "items": [1, 2]})
 
     assert long.state == State.PLANNED
-    described = services.step_requirement(long).describe()
+    described = step_requirement(long).describe()
     assert "could not be evaluated" in described
     assert "costs more than" in described or "took longer than" in described
     assert short.state == State.PENDING
@@ -616,7 +632,7 @@ def test_the_example_rules_file_loads_and_decides_as_its_comments_say(
     usd = refund_in(agent, run, "usd-50", {"amount": 50, "currency": "USD"})
     big = refund_in(agent, run, "eur-5000", {"amount": 5000, "currency": "EUR"})
     assert [s.state for s in (eur, usd, big)] == [State.PENDING, State.PLANNED, State.PLANNED]
-    assert services.step_requirement(big).need == 2
+    assert step_requirement(big).need == 2
 
     # Through the API: a refused call is recorded, failed as policy_denied, with the reason.
     response = api.post(
@@ -649,18 +665,18 @@ def test_approving_many_answers_each_steps_outcome(
     load(tmp_path, REFUND_RULES)
     one, two, stale = (refund(agent, run, amount) for amount in (500, 5000, 700))
     seen_stale = stale.version
-    services.step_approve(step=stale, user=dora, version=stale.version, reason="first")
+    step_approve(step=stale, user=dora, version=stale.version, reason="first")
 
-    results = services.steps_approve(
+    results = steps_approve(
         steps=[(one, one.version), (two, two.version), (stale, seen_stale)],
         user=reviewer,
         reason="batch of refunds checked",
     )
 
     assert [r.outcome for r in results] == [
-        services.ApprovalOutcome.APPROVED,
-        services.ApprovalOutcome.WAITING,
-        services.ApprovalOutcome.REFUSED,
+        ApprovalOutcome.APPROVED,
+        ApprovalOutcome.WAITING,
+        ApprovalOutcome.REFUSED,
     ]
     assert results[1].still_needed == 1
     assert results[2].code == "already_handled"

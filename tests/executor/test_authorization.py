@@ -11,11 +11,17 @@ from django.contrib.auth import get_user_model
 from django.utils import timezone
 from guardian.shortcuts import assign_perm, remove_perm
 
-from executor import dispatch, engine, services, sweeper
-from executor.models import Agent, Approval, Phase, Run, RunStatus, Step, Workspace
-from executor.models import Tool as ToolRow
-from executor.states import State
-from executor.tools.base import FailureClass, ToolError, unregister
+from executor import engine
+from executor.common import dispatch
+from executor.contract.tool import FailureClass, ToolError, unregister
+from executor.ledger.records import Agent, Approval, Phase, Run, RunStatus, Step, Workspace
+from executor.ledger.records import Tool as ToolRow
+from executor.ledger.states import State
+from executor.services import runs
+from executor.services.base import NotPermitted
+from executor.services.reviews import compensation_request, deadletter_replay, step_approve
+from executor.services.tools import tools_sync
+from executor.worker import sweeper
 from tests.support import tooling
 from tests.support.tooling import (
     DestructiveTool,
@@ -126,7 +132,7 @@ def test_blocked_step_is_not_picked_up_again_automatically(agent: Agent, run: Ru
 def test_step_of_a_tool_that_is_no_longer_registered_is_blocked(agent: Agent, run: Run) -> None:
     step = post(agent, run, "test.write")
     unregister("test.write")
-    services.tools_sync()
+    tools_sync()
 
     outcome = engine.process(step.pk, worker="w1")
 
@@ -261,13 +267,11 @@ def test_compensation_approved_by_a_compensation_approver_runs(
     done = reload(original)
     dave = get_user_model().objects.create_user("dave")
     assign_perm("executor.approve_compensation", dave, workspace)
-    compensation = services.compensation_request(
+    compensation = compensation_request(
         step=done, user=carol, version=done.version, reason="wrong ticket"
     )
     # Four eyes: carol asked for it, dave approves it.
-    services.step_approve(
-        step=compensation, user=dave, version=compensation.version, reason="undo it"
-    )
+    step_approve(step=compensation, user=dave, version=compensation.version, reason="undo it")
 
     assert engine.process(compensation.pk, worker="w1") == State.COMPLETED
 
@@ -288,8 +292,8 @@ def test_replay_of_a_dead_destructive_step_needs_a_new_approval(
     erin = get_user_model().objects.create_user("erin")
     assign_perm("executor.replay_deadletter", erin, workspace)
 
-    with pytest.raises(services.NotPermitted):
-        services.deadletter_replay(step=dead, user=erin, version=dead.version, reason="again")
+    with pytest.raises(NotPermitted):
+        deadletter_replay(step=dead, user=erin, version=dead.version, reason="again")
 
     assert reload(planned).state == State.DEAD
 
@@ -300,7 +304,7 @@ def test_replay_of_a_dead_destructive_step_needs_a_new_approval(
 def test_cancelled_run_cancels_its_pending_step_without_a_call(agent: Agent, run: Run) -> None:
     step = post(agent, run, "test.write")
 
-    services.run_cancel(run=run, actor="agent:alice-bot", reason="changed my mind")
+    runs.run_cancel(run=run, actor="agent:alice-bot", reason="changed my mind")
 
     assert reload(step).state == State.CANCELLED
     assert engine.process(step.pk, worker="w1") == engine.Outcome.SKIPPED
@@ -318,8 +322,8 @@ def test_an_agent_may_not_cancel_without_submit_steps(
         Agent.objects.filter(pk=agent.pk).update(is_active=False)
     asking = Agent.objects.select_related("user", "workspace").get(pk=agent.pk)
 
-    with pytest.raises(services.NotPermitted):
-        services.run_cancel(run=run, actor=asking, reason="not allowed")
+    with pytest.raises(NotPermitted):
+        runs.run_cancel(run=run, actor=asking, reason="not allowed")
 
     assert Run.objects.get(pk=run.pk).status == RunStatus.OPEN
     assert reload(step).state == State.PENDING
@@ -328,7 +332,7 @@ def test_an_agent_may_not_cancel_without_submit_steps(
 def test_an_agent_cancelling_is_recorded_as_that_agent(agent: Agent, run: Run) -> None:
     step = post(agent, run, "test.write")
 
-    services.run_cancel(run=run, actor=agent, reason="done here")
+    runs.run_cancel(run=run, actor=agent, reason="done here")
 
     assert history(step)[-1] == (State.PENDING, State.CANCELLED, f"agent:{agent.name}")
 
@@ -352,7 +356,7 @@ def test_write_claimed_before_its_run_was_cancelled_ends_cancelled_without_a_cal
     step = post(agent, run, "test.write")
     claim = engine.claim_step(step.pk, worker="w1")
     assert isinstance(claim, engine.Claim)
-    services.run_cancel(run=run, actor="agent:alice-bot")
+    runs.run_cancel(run=run, actor="agent:alice-bot")
 
     engine.execute_claimed(claim)
     sweeper.sweep(owner="s1")
@@ -371,7 +375,7 @@ def test_in_flight_write_of_a_cancelled_run_is_cancelled_not_retried_after_a_fai
     WriteTool.will(FailureClass.TRANSIENT)
     # The call is under way (submitted) when the agent cancels the run.
     tooling.submit(claim)
-    services.run_cancel(run=run, actor="agent:alice-bot")
+    runs.run_cancel(run=run, actor="agent:alice-bot")
 
     with pytest.raises(ToolError) as failed:
         tooling.call_tool(claim)

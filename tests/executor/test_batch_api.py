@@ -12,11 +12,15 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from guardian.shortcuts import remove_perm
 
-from executor import dispatch, engine, ledger, services
-from executor.models import Agent, Approval, Event, Run, Step, call_hash
-from executor.models import Tool as ToolRow
-from executor.states import State
-from executor.tools.base import get_tool
+from executor import engine
+from executor.common import dispatch
+from executor.contract.tool import get_tool
+from executor.ledger import chain
+from executor.ledger.records import Agent, Approval, Event, Run, Step, call_hash
+from executor.ledger.records import Tool as ToolRow
+from executor.ledger.states import State
+from executor.services.posting import StepRequest, step_post, steps_post
+from executor.services.runs import run_cancel
 from tests.support.api import ApiClient
 
 pytestmark = pytest.mark.django_db
@@ -70,7 +74,7 @@ def test_batch_steps_have_the_same_history_as_single_posts(
     api: ApiClient, run: Run, agent: Agent
 ) -> None:
     api.post(batch_url(run), {"steps": [echo("batched")]})
-    services.step_post(agent=agent, run=run, key="single", tool_name="echo", input={"k": 1})
+    step_post(agent=agent, run=run, key="single", tool_name="echo", input={"k": 1})
 
     def history(key: str) -> list[tuple[str, str, str]]:
         return list(
@@ -128,7 +132,7 @@ def test_inputs_equal_in_python_but_not_in_json_are_each_stored_as_sent(
         assert step.input == sent
         assert type(step.input["v"]) is type(sent["v"])
         assert step.input_hash == call_hash("echo", sent)
-    assert ledger.verify_chain(step_ids=[s.pk for s in stored.values()]).ok
+    assert chain.verify_chain(step_ids=[s.pk for s in stored.values()]).ok
 
 
 def test_a_repost_tried_without_reading_first_writes_nothing_and_leaves_no_gap(
@@ -158,7 +162,7 @@ def test_a_posted_step_is_answered_even_where_a_new_one_would_be_refused(
     api: ApiClient, run: Run, agent: Agent
 ) -> None:
     first = api.post(f"{API}/runs/{run.pk}/steps", echo("a")).json()
-    services.run_cancel(run=run, actor=agent)
+    run_cancel(run=run, actor=agent)
 
     again = api.post(f"{API}/runs/{run.pk}/steps", echo("a"))
     new = api.post(f"{API}/runs/{run.pk}/steps", echo("b"))
@@ -439,15 +443,13 @@ def test_concurrent_posts_to_one_run_all_land_numbered_without_gaps(agent: Agent
     def post_from_thread(thread: int) -> None:
         try:
             for n in range(10):
-                services.step_post(
+                step_post(
                     agent=agent, run=run, key=f"t{thread}-{n}", tool_name="echo", input={"n": n}
                 )
-            services.steps_post(
+            steps_post(
                 agent=agent,
                 run=run,
-                requests=[
-                    services.StepRequest(f"t{thread}-b{n}", "echo", {"n": n}) for n in range(5)
-                ],
+                requests=[StepRequest(f"t{thread}-b{n}", "echo", {"n": n}) for n in range(5)],
             )
         except BaseException as error:  # noqa: BLE001 - reported by the test below
             errors.append(error)

@@ -16,11 +16,15 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from guardian.shortcuts import assign_perm, remove_perm
 
-from executor import dispatch, engine, recovery, services
-from executor.models import Agent, Attempt, Phase, Run, RunStatus, Workspace
-from executor.models import Tool as ToolRow
-from executor.states import State
-from executor.tools.base import Invocation, ToolResult
+from executor import engine
+from executor.common import dispatch
+from executor.contract.tool import Invocation, ToolResult
+from executor.engine import recovery
+from executor.ledger.records import Agent, Attempt, Phase, Run, RunStatus, Workspace
+from executor.ledger.records import Tool as ToolRow
+from executor.ledger.states import State
+from executor.services.accounts import agent_create
+from executor.services.runs import run_create
 from tests.support import tooling
 from tests.support.tooling import PureTool, ReadTool, WriteTool, expire_lease, post_many, reload
 
@@ -103,7 +107,7 @@ def test_a_batch_of_pure_steps_takes_two_commits_in_all(agent: Agent, run: Run) 
 
 def test_a_batch_costs_the_same_statements_whatever_its_size(agent: Agent) -> None:
     def statements_to_drain(count: int) -> int:
-        run, _ = services.run_create(agent=agent, name=f"{count} steps")
+        run, _ = run_create(agent=agent, name=f"{count} steps")
         post_many(agent, run, "test.pure", count)
         with CaptureQueriesContext(connection) as queries:
             assert engine.drain(worker="w1") == count
@@ -164,10 +168,10 @@ def test_a_claim_takes_no_more_writes_than_asked(agent: Agent, run: Run) -> None
 def test_authorization_is_decided_for_each_step_of_a_batch(
     agent: Agent, run: Run, workspace: Workspace
 ) -> None:
-    other, _ = services.agent_create(workspace=workspace, name="other-bot")
+    other, _ = agent_create(workspace=workspace, name="other-bot")
     for row in ToolRow.objects.filter(name__startswith="test."):
         assign_perm("executor.use_tool", other.user, row)
-    other_run, _ = services.run_create(agent=other, name="other")
+    other_run, _ = run_create(agent=other, name="other")
     mine = post_many(agent, run, "test.pure", 3)
     theirs = post_many(other, other_run, "test.pure", 3)
     remove_perm("executor.use_tool", other.user, ToolRow.objects.get(name="test.pure"))
@@ -185,7 +189,7 @@ def test_authorization_is_decided_for_each_step_of_a_batch(
 
 
 def test_a_batch_takes_only_the_calls_its_run_has_budget_for(agent: Agent) -> None:
-    run, _ = services.run_create(agent=agent, name="capped", max_calls=3)
+    run, _ = run_create(agent=agent, name="capped", max_calls=3)
     steps = post_many(agent, run, "test.pure", 5)
 
     engine.drain(worker="w1")
@@ -368,7 +372,7 @@ def test_a_claim_whose_step_completed_is_neither_extended_nor_lost(agent: Agent,
 def test_a_claim_counts_its_runs_budgets_in_run_id_order(agent: Agent) -> None:
     # Two claims that each take calls of the same runs update the runs' rows in one order,
     # so they never wait on each other in a cycle.
-    runs = [services.run_create(agent=agent, name=f"run {i}")[0] for i in range(4)]
+    runs = [run_create(agent=agent, name=f"run {i}")[0] for i in range(4)]
     for run in reversed(runs):
         post_many(agent, run, "test.pure", 2)
 

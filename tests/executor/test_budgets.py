@@ -13,11 +13,17 @@ from django.utils import timezone
 from guardian.shortcuts import assign_perm
 
 import executor.engine.statements as statements
-from executor import dispatch, engine, policy, recovery, services, sweeper
-from executor.models import Agent, Attempt, Run, RunStatus, Step
-from executor.models import Tool as ToolRow
-from executor.states import State
-from executor.tools.base import Effect, Idempotency, Invocation, ToolResult, register, unregister
+from executor import engine
+from executor.common import dispatch
+from executor.contract.tool import Effect, Idempotency, Invocation, ToolResult, register, unregister
+from executor.engine import recovery
+from executor.ledger.records import Agent, Attempt, Run, RunStatus, Step
+from executor.ledger.records import Tool as ToolRow
+from executor.ledger.states import State
+from executor.policy import authorization
+from executor.services.runs import run_cancel, run_create
+from executor.services.tools import tools_sync
+from executor.worker import sweeper
 from tests.support import tooling
 from tests.support.tooling import CostlyTool, PureTool, WriteTool, post, reload
 
@@ -42,7 +48,7 @@ def submitted_attempts(run: Run) -> int:
 def test_max_calls_pauses_the_run_and_leaves_the_rest_pending(
     agent: Agent, tool: str, scripted: type[tooling.ScriptedTool]
 ) -> None:
-    run, _ = services.run_create(agent=agent, name="capped", max_calls=2)
+    run, _ = run_create(agent=agent, name="capped", max_calls=2)
     steps = [post(agent, run, tool) for _ in range(5)]
 
     outcomes = [engine.process(step.pk, worker="w1") for step in steps]
@@ -58,7 +64,7 @@ def test_max_calls_pauses_the_run_and_leaves_the_rest_pending(
 
 
 def test_steps_of_a_paused_run_wait_for_every_automatic_path(agent: Agent) -> None:
-    run, _ = services.run_create(agent=agent, name="capped", max_calls=1)
+    run, _ = run_create(agent=agent, name="capped", max_calls=1)
     for _ in range(3):
         post(agent, run, "test.pure")
     engine.drain(worker="w1", limit=10)
@@ -70,7 +76,7 @@ def test_steps_of_a_paused_run_wait_for_every_automatic_path(agent: Agent) -> No
 
 
 def test_max_cost_pauses_the_run_after_the_call_that_crosses_it(agent: Agent) -> None:
-    run, _ = services.run_create(agent=agent, name="costly", max_cost=Decimal("2.5"))
+    run, _ = run_create(agent=agent, name="costly", max_cost=Decimal("2.5"))
     steps = [post(agent, run, "test.costly") for _ in range(5)]
 
     for step in steps:
@@ -90,7 +96,7 @@ def test_max_cost_pauses_the_run_after_the_call_that_crosses_it(agent: Agent) ->
 def test_passed_run_deadline_is_paused_by_the_sweeper_and_steps_stay_pending(
     agent: Agent,
 ) -> None:
-    run, _ = services.run_create(agent=agent, name="timed", deadline_seconds=3600)
+    run, _ = run_create(agent=agent, name="timed", deadline_seconds=3600)
     steps = [post(agent, run, "test.write") for _ in range(2)]
     Run.objects.filter(pk=run.pk).update(deadline=timezone.now() - timedelta(seconds=1))
 
@@ -107,7 +113,7 @@ def test_passed_run_deadline_is_paused_by_the_sweeper_and_steps_stay_pending(
 
 
 def test_passed_run_deadline_is_caught_at_the_claim_before_any_sweep(agent: Agent) -> None:
-    run, _ = services.run_create(agent=agent, name="timed", deadline_seconds=3600)
+    run, _ = run_create(agent=agent, name="timed", deadline_seconds=3600)
     step = post(agent, run, "test.pure")
     Run.objects.filter(pk=run.pk).update(deadline=timezone.now() - timedelta(seconds=1))
 
@@ -135,14 +141,14 @@ def test_a_write_whose_run_ran_out_after_its_claim_is_never_called(
 ) -> None:
     # The claim found room; by the `submitting` commit there is none: nothing is sent, the
     # step waits (or is cancelled), and the call is not counted.
-    run, _ = services.run_create(agent=agent, name="raced", max_calls=5)
+    run, _ = run_create(agent=agent, name="raced", max_calls=5)
     step = post(agent, run, "test.write")
     claim = engine.claim_step(step.pk, worker="w1")
     assert isinstance(claim, engine.Claim)
     if spent == "max_calls":
         Run.objects.filter(pk=run.pk).update(used_calls=5)
     else:
-        services.run_cancel(run=run, actor="test", reason="no longer needed")
+        run_cancel(run=run, actor="test", reason="no longer needed")
 
     outcome = engine.execute_claimed(claim)
 
@@ -161,7 +167,7 @@ def test_a_write_whose_run_ran_out_after_its_claim_is_never_called(
 
 @pytest.mark.django_db(transaction=True)
 def test_the_submitting_commit_counts_the_call_and_extends_the_lease(agent: Agent) -> None:
-    run, _ = services.run_create(agent=agent, name="counted", max_calls=5)
+    run, _ = run_create(agent=agent, name="counted", max_calls=5)
     step = post(agent, run, "test.write")
     claim = engine.claim_step(step.pk, worker="w1")
     assert isinstance(claim, engine.Claim)
@@ -186,10 +192,11 @@ def test_the_submitting_commit_counts_the_call_and_extends_the_lease(agent: Agen
 
 def test_the_one_call_room_sql_answers_as_the_budget_check_does(agent: Agent) -> None:
     # The `submitting` statement on PostgreSQL takes a call where `call_room(1)` has room.
-    run, _ = services.run_create(agent=agent, name="room")
+    run, _ = run_create(agent=agent, name="room")
     now = timezone.now()
     table = Run._meta.db_table
-    sql = f"SELECT EXISTS (SELECT 1 FROM {table} WHERE id = %(run)s AND {policy.ONE_CALL_ROOM_SQL})"
+    room = authorization.ONE_CALL_ROOM_SQL
+    sql = f"SELECT EXISTS (SELECT 1 FROM {table} WHERE id = %(run)s AND {room})"
     checked = 0
     for status in (RunStatus.OPEN, RunStatus.PAUSED, RunStatus.CANCELLED):
         for max_calls, used_calls in ((None, 7), (3, 2), (3, 3), (3, 4)):
@@ -203,7 +210,9 @@ def test_the_one_call_room_sql_answers_as_the_budget_check_does(agent: Agent) ->
                         used_cost=Decimal(used_cost),
                         deadline=deadline,
                     )
-                    expected = Run.objects.filter(policy.call_room(1, now=now), pk=run.pk).exists()
+                    expected = Run.objects.filter(
+                        authorization.call_room(1, now=now), pk=run.pk
+                    ).exists()
                     with connection.cursor() as cursor:
                         cursor.execute(
                             sql,
@@ -243,7 +252,7 @@ def costly_write(agent: Agent) -> Iterator[type[CostlyWriteTool]]:
     CostlyWriteTool.reset()
     register(CostlyWriteTool)
     try:
-        services.tools_sync()
+        tools_sync()
         assign_perm("executor.use_tool", agent.user, ToolRow.objects.get(name=CostlyWriteTool.name))
         yield CostlyWriteTool
     finally:
@@ -253,7 +262,7 @@ def costly_write(agent: Agent) -> Iterator[type[CostlyWriteTool]]:
 def test_a_writes_cost_is_counted_with_its_response_and_pauses_the_run_after_it(
     agent: Agent, costly_write: type[CostlyWriteTool]
 ) -> None:
-    run, _ = services.run_create(agent=agent, name="costly writes", max_cost=Decimal("2.5"))
+    run, _ = run_create(agent=agent, name="costly writes", max_cost=Decimal("2.5"))
     steps = [post(agent, run, costly_write.name) for _ in range(3)]
 
     for step in steps:
@@ -272,7 +281,7 @@ def test_a_writes_cost_is_counted_with_its_response_and_pauses_the_run_after_it(
 def test_a_fenced_out_writes_cost_is_not_counted(
     agent: Agent, costly_write: type[CostlyWriteTool]
 ) -> None:
-    run, _ = services.run_create(agent=agent, name="costly writes", max_cost=Decimal(10))
+    run, _ = run_create(agent=agent, name="costly writes", max_cost=Decimal(10))
     step = post(agent, run, costly_write.name)
     claim_a = engine.claim_step(step.pk, worker="A")
     assert isinstance(claim_a, engine.Claim)
@@ -296,7 +305,7 @@ def test_a_run_given_room_after_its_submitting_statement_found_none_takes_the_ca
 ) -> None:
     # The statement finds the run spent; by the time the engine reads the run again, it was
     # extended (a reviewer, or the agent): the call is taken, the run is not paused.
-    run, _ = services.run_create(agent=agent, name="extended meanwhile", max_calls=1)
+    run, _ = run_create(agent=agent, name="extended meanwhile", max_calls=1)
     step = post(agent, run, "test.write")
     claim = engine.claim_step(step.pk, worker="w1")
     assert isinstance(claim, engine.Claim)

@@ -1,4 +1,4 @@
-"""Rows of several models in one statement (executor/bulk.py): values prepared as the ORM
+"""Rows of several models in one statement (executor/ledger/bulk.py): values prepared as the ORM
 prepares them, columns the same in every row sent once, every row stored as given."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from django.core.exceptions import ValidationError
 from django.db import connection, connections
 from django.utils import timezone
 
-from executor import bulk
-from executor.models import Agent, Approval, Attempt, Event, Run, Step, StepCounter
+from executor.ledger import bulk
+from executor.ledger.records import Agent, Approval, Attempt, Event, Run, Step, StepCounter
 
 pytestmark = pytest.mark.django_db
 

@@ -11,10 +11,11 @@ import pytest
 from django.db import connection, transaction
 from django.utils import timezone
 
-from executor import services
 from executor.engine import claiming
-from executor.models import Agent, Run
-from executor.states import State
+from executor.ledger.records import Agent, Run
+from executor.ledger.states import State
+from executor.services.runs import run_create
+from executor.services.tools import tools_sync
 from tests.support import grown
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db]
@@ -26,12 +27,12 @@ DUE_RUNS = 5
 def burst(agent: Agent, run: Run) -> list[Run]:
     """A run whose 50,000 steps were claimed and done since the last vacuum, 1,000 open
     runs with nothing due, and DUE_RUNS runs with 20 due steps each."""
-    services.tools_sync()
+    tools_sync()
     grown.grow_steps(run, 50_000, state=State.PENDING)
     with connection.cursor() as cursor:
         cursor.execute("UPDATE executor_step SET state = 'completed' WHERE run_id = %s", [run.pk])
     grown.grow_runs(agent, 1_000)
-    due = [services.run_create(agent=agent, name=f"due {n}")[0] for n in range(DUE_RUNS)]
+    due = [run_create(agent=agent, name=f"due {n}")[0] for n in range(DUE_RUNS)]
     for each in due:
         grown.grow_steps(each, 20, state=State.PENDING)
     with connection.cursor() as cursor:

@@ -25,9 +25,12 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from executor import client as client_module
 from executor import engine
-from executor.client import (
+from executor.ledger.records import Run
+from executor.ledger.records import Step as StepRow
+from executor.ledger.states import State
+from stepward_client import client as client_module
+from stepward_client.client import (
     Conflict,
     ConnectionFailed,
     InvalidRequest,
@@ -39,9 +42,6 @@ from executor.client import (
     Unauthorized,
     WaitTimeout,
 )
-from executor.models import Run
-from executor.models import Step as StepRow
-from executor.states import State
 from tests.support.api import AgentAuth
 from tests.support.factories import advance
 

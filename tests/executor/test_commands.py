@@ -14,8 +14,8 @@ from django.db import connection
 from django.test import Client
 from django.urls import reverse
 
-from executor import ledger, services
-from executor.models import (
+from executor.ledger import chain
+from executor.ledger.records import (
     REVIEWER_PERMISSIONS,
     Agent,
     Event,
@@ -25,8 +25,9 @@ from executor.models import (
     Workspace,
     hash_token,
 )
-from executor.states import State
-from executor.transitions import event_hash
+from executor.ledger.states import State
+from executor.ledger.transitions import event_hash
+from executor.services.posting import step_post
 from tests.support.api import AgentAuth, ApiClient
 from tests.support.factories import advance, step_in
 
@@ -54,9 +55,7 @@ def raw_sql(sql: str, params: list[Any]) -> None:
 
 def post_steps(agent: Agent, run: Run, count: int) -> list[Step]:
     return [
-        services.step_post(agent=agent, run=run, key=f"step-{n}", tool_name="echo", input={"n": n})[
-            0
-        ]
+        step_post(agent=agent, run=run, key=f"step-{n}", tool_name="echo", input={"n": n})[0]
         for n in range(count)
     ]
 
@@ -390,7 +389,7 @@ def test_a_step_moved_by_a_worker_while_its_chunk_is_read_is_not_reported(
     agent: Agent, run: Run, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     [step] = post_steps(agent, run, 1)
-    read_events = ledger._events_of
+    read_events = chain._events_of
     moved: list[Step] = []
 
     def events_after_a_concurrent_move(step_ids: list[Any]) -> Any:
@@ -399,9 +398,9 @@ def test_a_step_moved_by_a_worker_while_its_chunk_is_read_is_not_reported(
             moved.append(advance(Step.objects.get(pk=step.pk), State.RUNNING))
         return read_events(step_ids)
 
-    monkeypatch.setattr(ledger, "_events_of", events_after_a_concurrent_move)
+    monkeypatch.setattr(chain, "_events_of", events_after_a_concurrent_move)
 
-    report = ledger.verify_chain()
+    report = chain.verify_chain()
 
     assert moved
     assert report.ok

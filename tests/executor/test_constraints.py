@@ -16,8 +16,8 @@ from django.contrib.auth import get_user_model
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
-from executor.models import Agent, Approval, Attempt, Event, Phase, Run, RunStatus, Step
-from executor.states import State
+from executor.ledger.records import Agent, Approval, Attempt, Event, Phase, Run, RunStatus, Step
+from executor.ledger.states import State
 from tests.support.factories import WORKER, new_step, step_in
 
 pytestmark = pytest.mark.django_db
@@ -267,7 +267,7 @@ def test_a_pause_reason_on_a_run_that_is_not_paused_is_refused(run: Run, status:
 def test_a_run_status_outside_the_choices_is_refused(run: Run) -> None:
     with violates("run_status_valid"):
         Run.objects.filter(pk=run.pk).update(status="finished")
-    # `closed` was reserved and never set; it is no status at all now (executor/runs.py).
+    # `closed` was reserved and never set; it is no status at all now (executor/ledger/runs.py).
     with violates("run_status_valid"):
         Run.objects.filter(pk=run.pk).update(status="closed")
 

@@ -1,4 +1,4 @@
-"""The counters the database keeps as the ledger moves (executor/counters.py, migration
+"""The counters the database keeps as the ledger moves (executor/ledger/counters.py, migration
 0018): each session writes rows of its own, and the sweeper folds those of sessions gone."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 from django.db import connection
 
-from executor import counters, services
-from executor.models import Agent, Counter, Run, Step
-from executor.states import State
+from executor.ledger import counters
+from executor.ledger.records import Agent, Counter, Run, Step
+from executor.ledger.states import State
+from executor.services.tools import tools_sync
 from tests.support.factories import step_in
 
 
@@ -32,7 +33,7 @@ def own_pid() -> int:
 def test_each_session_counts_in_rows_of_its_own_folded_once_it_has_ended(
     agent: Agent, run: Run
 ) -> None:
-    services.tools_sync()
+    tools_sync()
     steps = [step_in(run, State.PLANNED) for _ in range(3)]
     other = connection.get_new_connection(connection.get_connection_params())
     try:
@@ -72,7 +73,7 @@ def wait_until(condition: Any, seconds: float = 10) -> None:
 
 @pytest.mark.django_db
 def test_a_runs_counts_follow_its_steps(agent: Agent, run: Run) -> None:
-    services.tools_sync()
+    tools_sync()
     done = step_in(run, State.COMPLETED)
     step_in(run, State.UNKNOWN)
     Step.objects.filter(pk=done.pk).update(state=State.COMPENSATED)

@@ -10,7 +10,7 @@ from datetime import datetime
 
 import pytest
 
-from executor import dispatch
+from executor.common import dispatch
 
 Sent = tuple[str, str, datetime | None]
 

@@ -23,16 +23,17 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.utils import timezone
 
-from executor import dispatch, faults, services
+from executor.common import dispatch, faults
+from executor.contract.tool import unregister
 from executor.drill import broken
 from executor.drill import tools as file_tools
 from executor.drill import upstream as drill_upstream
 from executor.drill.report import as_record
 from executor.gateway import tools as upstream_tools
 from executor.gateway.connections import gateway
-from executor.models import DrillReport, HttpToolSpec, Step
+from executor.ledger.records import DrillReport, HttpToolSpec, Step
+from executor.services.posting import step_post
 from executor.tools import http as http_tools
-from executor.tools.base import unregister
 
 SEED = 20261130
 ROOT = Path(__file__).resolve().parents[2]
@@ -529,7 +530,7 @@ def test_the_drill_points_a_files_urls_at_its_own_desk() -> None:
 @pytest.mark.django_db
 def test_the_drill_finds_a_secrets_value_wherever_the_ledger_keeps_it(agent: Any, run: Any) -> None:
     with dispatch.publishing(dispatch.dropping_publisher):
-        services.step_post(
+        step_post(
             agent=agent, run=run, key="s", tool_name="echo", input={"note": "drill-secret-abc"}
         )
 

@@ -19,10 +19,9 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connection
 from django.utils import timezone
 
-from executor import dispatch, engine, faults, recovery, transitions
-from executor.models import Agent, Attempt, Phase, Run, Step
-from executor.states import State
-from executor.tools.base import (
+from executor import engine
+from executor.common import dispatch, faults
+from executor.contract.tool import (
     FailureClass,
     Invocation,
     Lookup,
@@ -30,6 +29,10 @@ from executor.tools.base import (
     ToolError,
     ToolResult,
 )
+from executor.engine import recovery
+from executor.ledger import transitions
+from executor.ledger.records import Agent, Attempt, Phase, Run, Step
+from executor.ledger.states import State
 from tests.support import tooling
 from tests.support.factories import chain_problems
 from tests.support.tooling import (
@@ -607,7 +610,7 @@ import sys
 import threading
 import django
 django.setup()
-from executor import faults
+from executor.common import faults
 
 class Meeting(logging.Handler):
     second = threading.Barrier(2, timeout=1)
@@ -620,7 +623,7 @@ class Meeting(logging.Handler):
             pass
         return True
 
-log = logging.getLogger("executor.faults")
+log = logging.getLogger("executor.common.faults")
 log.handlers, log.propagate = [Meeting()], False
 together = threading.Barrier(8)
 def call():

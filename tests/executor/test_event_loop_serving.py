@@ -1,7 +1,7 @@
 """Serving from an event loop, as the README's production serving does it: `gunicorn
 console.asgi -k uvicorn_worker.UvicornWorker`, one process (issue 22, item 1).
 
-Long-polls wait on the loop, holding no thread and no connection (executor/waits.py); a
+Long-polls wait on the loop, holding no thread and no connection (executor/surfaces/waits.py); a
 slow request body costs a coroutine until REQUEST_BODY_SECONDS end it (console/serving.py).
 Under the threaded server the same floods held every thread: 40 agents x 2 waits made another
 agent's GET /tools take 80 s, and 30 slow login bodies timed the sign-in page out.
@@ -20,9 +20,10 @@ import httpx
 import pytest
 from django.db import connection
 
-from executor import services, transitions
-from executor.models import Run, Step
-from executor.states import State
+from executor.ledger import transitions
+from executor.ledger.records import Run, Step
+from executor.ledger.states import State
+from executor.services.accounts import agent_create
 from tests.support.api import AgentAuth
 from tests.support.factories import new_step
 from tests.support.webserver import WebServer, api_request, raw, web_server
@@ -76,8 +77,8 @@ def quickest(get: Any, tries: int = 3) -> tuple[httpx.Response, float]:
 def test_a_hundred_long_polls_hold_no_connections_and_everyone_else_is_answered(
     server: WebServer, workspace: Any, run: Run
 ) -> None:
-    flooders = [services.agent_create(workspace=workspace, name=f"flood-{n}") for n in range(50)]
-    _, other_token = services.agent_create(workspace=workspace, name="bystander")
+    flooders = [agent_create(workspace=workspace, name=f"flood-{n}") for n in range(50)]
+    _, other_token = agent_create(workspace=workspace, name="bystander")
     watched = new_step(run, key="watched")
     step_url = f"{server.url}/api/v1/steps/{watched.pk}"
 

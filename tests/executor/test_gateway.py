@@ -23,12 +23,17 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from executor import engine, mcp, services
+from executor import engine
+from executor.contract.tool import find_tool
 from executor.gateway.connections import Unreachable, gateway
 from executor.gateway.tools import target_for
-from executor.models import Agent, Attempt, McpUpstream, Run, RunStatus, Step
-from executor.states import State
-from executor.tools.base import find_tool
+from executor.ledger.records import Agent, Attempt, McpUpstream, Run, RunStatus, Step
+from executor.ledger.states import State
+from executor.services.accounts import agent_set_tools
+from executor.services.reviews import step_approve
+from executor.services.runs import run_create
+from executor.services.tools import ToolsLoaded, tools_load
+from executor.surfaces import mcp
 from executor.tools.files import read_tool_file
 from tests.support.api import ApiClient
 from tests.support.tooling import make_due, post, reload, run_every_automatic_path
@@ -47,14 +52,14 @@ pytestmark = pytest.mark.django_db(transaction=True)
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def load(agent: Agent, *tables: dict[str, Any]) -> services.ToolsLoaded:
-    report = services.tools_load(tables=[], upstreams=list(tables))
-    services.agent_set_tools(agent=agent, tools=None)
+def load(agent: Agent, *tables: dict[str, Any]) -> ToolsLoaded:
+    report = tools_load(tables=[], upstreams=list(tables))
+    agent_set_tools(agent=agent, tools=None)
     return report
 
 
 @pytest.fixture
-def git(agent: Agent, up: Upstream, repo: GitRepo, fresh_sessions: None) -> services.ToolsLoaded:
+def git(agent: Agent, up: Upstream, repo: GitRepo, fresh_sessions: None) -> ToolsLoaded:
     report = load(agent, git_upstream_table(up, repo))
     assert [listed.error for listed in report.listed] == [""]
     return report
@@ -67,7 +72,7 @@ def commit(agent: Agent, run: Run, repo: GitRepo, message: str) -> Step:
 
 
 def test_the_upstreams_tools_are_stepward_tools_with_their_schemas(
-    git: services.ToolsLoaded, api: ApiClient
+    git: ToolsLoaded, api: ApiClient
 ) -> None:
     assert "git.git_status" in git.listed[0].tools
     listed = {tool["name"]: tool for tool in api.get("/api/v1/tools").json()}
@@ -85,9 +90,7 @@ def test_the_upstreams_tools_are_stepward_tools_with_their_schemas(
     assert McpUpstream.objects.get(name="git").server_info["name"] == "mcp-git"
 
 
-def test_a_read_is_answered(
-    git: services.ToolsLoaded, agent: Agent, run: Run, repo: GitRepo
-) -> None:
+def test_a_read_is_answered(git: ToolsLoaded, agent: Agent, run: Run, repo: GitRepo) -> None:
     step = post(agent, run, "git.git_status", input={"repo_path": str(repo.path)})
 
     assert engine.process(step.pk) == State.COMPLETED
@@ -96,9 +99,7 @@ def test_a_read_is_answered(
     assert done.attempts.get().response_evidence["name"] == "mcp-git"
 
 
-def test_a_write_happens_once(
-    git: services.ToolsLoaded, agent: Agent, run: Run, repo: GitRepo
-) -> None:
+def test_a_write_happens_once(git: ToolsLoaded, agent: Agent, run: Run, repo: GitRepo) -> None:
     step = commit(agent, run, repo, "the first write")
 
     assert engine.process(step.pk) == State.COMPLETED
@@ -109,7 +110,7 @@ def test_a_write_happens_once(
 
 
 def test_calls_in_flight_reach_the_upstream_from_the_call_loop(
-    git: services.ToolsLoaded, agent: Agent, run: Run, repo: GitRepo, settings: Any
+    git: ToolsLoaded, agent: Agent, run: Run, repo: GitRepo, settings: Any
 ) -> None:
     # A worker's drain awaits the upstream's tools (`ainvoke`) on its call loop: the sessions'
     # own loop makes each call, and no thread waits for it.
@@ -145,9 +146,7 @@ def test_an_approval_gated_write_waits_then_happens_once(
     assert engine.process(step.pk) != State.COMPLETED
     assert repo.commits_with("approve me") == 0
 
-    services.step_approve(
-        step=reload(step), user=reviewer, version=reload(step).version, reason="ok"
-    )
+    step_approve(step=reload(step), user=reviewer, version=reload(step).version, reason="ok")
     run_every_automatic_path()
 
     assert reload(step).state == State.COMPLETED
@@ -155,7 +154,7 @@ def test_an_approval_gated_write_waits_then_happens_once(
 
 
 def test_an_error_the_upstream_answers_is_classified_and_not_retried(
-    git: services.ToolsLoaded, agent: Agent, run: Run, repo: GitRepo, tmp_path: Path
+    git: ToolsLoaded, agent: Agent, run: Run, repo: GitRepo, tmp_path: Path
 ) -> None:
     outside = post(agent, run, "git.git_status", input={"repo_path": str(tmp_path)})
     missing = post(
@@ -174,7 +173,7 @@ def test_an_error_the_upstream_answers_is_classified_and_not_retried(
 
 
 def test_a_write_whose_upstream_is_killed_mid_call_is_unknown_and_never_sent_again(
-    git: services.ToolsLoaded,
+    git: ToolsLoaded,
     agent: Agent,
     run: Run,
     up: Upstream,
@@ -223,7 +222,7 @@ def test_a_write_whose_upstream_is_killed_mid_call_is_unknown_and_never_sent_aga
 
 
 def test_a_read_whose_upstream_is_killed_mid_call_is_retried(
-    git: services.ToolsLoaded, agent: Agent, run: Run, up: Upstream, repo: GitRepo
+    git: ToolsLoaded, agent: Agent, run: Run, up: Upstream, repo: GitRepo
 ) -> None:
     # A read's effect is nothing: a lost answer is simply asked again.
     step = commit(agent, run, repo, "to be read")
@@ -241,7 +240,7 @@ def test_a_read_whose_upstream_is_killed_mid_call_is_retried(
 
 @pytest.mark.parametrize("fault", ["down", "hang"])
 def test_an_upstream_that_is_down_or_hangs_is_unavailable_and_retried(
-    git: services.ToolsLoaded,
+    git: ToolsLoaded,
     agent: Agent,
     run: Run,
     up: Upstream,
@@ -272,7 +271,7 @@ def test_an_upstream_that_is_down_or_hangs_is_unavailable_and_retried(
 
 
 def test_a_listing_that_changes_makes_a_new_policy_version(
-    git: services.ToolsLoaded, agent: Agent, up: Upstream, repo: GitRepo
+    git: ToolsLoaded, agent: Agent, up: Upstream, repo: GitRepo
 ) -> None:
     tool = find_tool("git.git_commit")
     assert tool is not None
@@ -340,9 +339,7 @@ def test_an_npm_server_lists_reads_writes_once_and_its_destructive_tool_waits(
     assert delete.state == State.PLANNED
     run_every_automatic_path()
     assert entities(memory) == ["ada"]
-    services.step_approve(
-        step=reload(delete), user=reviewer, version=reload(delete).version, reason="ok"
-    )
+    step_approve(step=reload(delete), user=reviewer, version=reload(delete).version, reason="ok")
     run_every_automatic_path()
     assert reload(delete).state == State.COMPLETED
     assert entities(memory) == []
@@ -479,7 +476,7 @@ def test_an_http_upstream_whose_host_is_no_longer_allowed_is_refused_before_conn
 
 
 def test_admin_shows_what_the_upstream_lists_and_checks_an_edit_like_load_tools(
-    git: services.ToolsLoaded, client: Client, owner: Any
+    git: ToolsLoaded, client: Client, owner: Any
 ) -> None:
     client.force_login(owner)
     row = McpUpstream.objects.get(name="git")
@@ -551,7 +548,7 @@ def test_the_example_file_loads_and_lists_the_git_tools(
     table["command"] = [
         str(repo.path) if part.startswith("/tmp/") else part for part in table["command"]
     ]
-    report = services.tools_load(tables=file.tools, upstreams=file.upstreams)
+    report = tools_load(tables=file.tools, upstreams=file.upstreams)
     assert report.listed[0].error == ""
     assert {"git.git_status", "git.git_commit", "git.git_reset"} <= set(report.listed[0].tools)
     commit = find_tool("git.git_commit")
@@ -649,7 +646,7 @@ def test_a_write_to_an_http_upstream_that_restarted_or_is_down_is_unsent_not_unk
 
 
 def test_the_upstream_is_started_once_and_kept_warm_between_calls(
-    git: services.ToolsLoaded, agent: Agent, run: Run, up: Upstream, repo: GitRepo
+    git: ToolsLoaded, agent: Agent, run: Run, up: Upstream, repo: GitRepo
 ) -> None:
     """One session per upstream per worker process, kept between calls: every start of the
     upstream writes its pid, so the same pid after many calls means no new process."""
@@ -668,9 +665,9 @@ def test_the_upstream_is_started_once_and_kept_warm_between_calls(
 
 
 def test_a_runs_budget_stops_the_calls_to_the_upstream_beyond_it(
-    git: services.ToolsLoaded, agent: Agent, repo: GitRepo
+    git: ToolsLoaded, agent: Agent, repo: GitRepo
 ) -> None:
-    capped, _ = services.run_create(agent=agent, name="two commits at most", max_calls=2)
+    capped, _ = run_create(agent=agent, name="two commits at most", max_calls=2)
     steps = [commit(agent, capped, repo, f"budgeted {n}") for n in range(4)]
 
     engine.drain(worker="w1")
@@ -718,7 +715,7 @@ def test_a_redacted_field_reaches_the_upstream_and_no_surface_shows_it(
 
 
 def test_a_worker_whose_lease_was_taken_over_never_sends_the_write(
-    git: services.ToolsLoaded, agent: Agent, run: Run, repo: GitRepo
+    git: ToolsLoaded, agent: Agent, run: Run, repo: GitRepo
 ) -> None:
     step = commit(agent, run, repo, "fenced before sending")
     claims = engine.claim(worker="A", writes=10).claims
@@ -734,7 +731,7 @@ def test_a_worker_whose_lease_was_taken_over_never_sends_the_write(
 
 
 def test_a_stale_workers_answer_from_the_upstream_is_refused_by_the_fence(
-    git: services.ToolsLoaded, agent: Agent, run: Run, up: Upstream, repo: GitRepo
+    git: ToolsLoaded, agent: Agent, run: Run, up: Upstream, repo: GitRepo
 ) -> None:
     """The commit happened while another worker took the step over: the stale worker's
     answer moves nothing (its evidence is kept on its attempt), and nothing sends it again."""
@@ -796,9 +793,9 @@ def test_an_upstreams_tools_are_granted_per_agent_like_any_other(
 ) -> None:
     """A new upstream tool is usable by no agent until granted; this one gets git_status only,
     and the commit is neither listed to it over MCP nor callable, by MCP or by the API."""
-    report = services.tools_load(tables=[], upstreams=[git_upstream_table(up, repo)])
+    report = tools_load(tables=[], upstreams=[git_upstream_table(up, repo)])
     assert [listed.error for listed in report.listed] == [""]
-    services.agent_set_tools(agent=agent, tools=["echo", "git.git_status"])
+    agent_set_tools(agent=agent, tools=["echo", "git.git_status"])
 
     listed = {tool["name"]: tool for tool in api.get("/api/v1/tools").json()}
     assert listed["git.git_status"]["usable"] is True

@@ -11,12 +11,7 @@ import mcp_types as types
 import pytest
 from django.utils import timezone
 
-from executor import services
-from executor.gateway import config
-from executor.gateway.listing import due
-from executor.gateway.tools import MAX_TEXT_CHARS, classify_error_text, result_body, tool_class
-from executor.models import HttpToolSpec, McpUpstream
-from executor.tools.base import (
+from executor.contract.tool import (
     ApprovalRule,
     Effect,
     FailureClass,
@@ -25,6 +20,12 @@ from executor.tools.base import (
     install,
     uninstall,
 )
+from executor.gateway import config
+from executor.gateway.listing import due
+from executor.gateway.tools import MAX_TEXT_CHARS, classify_error_text, result_body, tool_class
+from executor.ledger.records import HttpToolSpec, McpUpstream
+from executor.services import base
+from executor.services.tools import tools_load
 from executor.tools.files import ToolFileError, read_tool_file
 from executor.tools.http import tool_class as http_tool_class
 
@@ -264,8 +265,8 @@ def test_a_tools_file_holds_tools_and_upstreams(tmp_path: Path) -> None:
 
 @pytest.mark.django_db
 def test_loading_a_bad_upstream_writes_nothing_and_names_every_problem() -> None:
-    with pytest.raises(services.Invalid) as refused:
-        services.tools_load(tables=[], upstreams=[{"name": "Bad", "colour": 1}])
+    with pytest.raises(base.Invalid) as refused:
+        tools_load(tables=[], upstreams=[{"name": "Bad", "colour": 1}])
     assert len(refused.value.details["problems"]) >= 3
     assert not McpUpstream.objects.exists()
 
@@ -273,26 +274,26 @@ def test_loading_a_bad_upstream_writes_nothing_and_names_every_problem() -> None
 @pytest.mark.django_db
 def test_check_and_prune_apply_to_upstreams(tmp_path: Path, settings: Any) -> None:
     table = {"name": "ghost", "command": [str(tmp_path / "no-such-server")]}
-    checked = services.tools_load(tables=[], upstreams=[table], check=True)
+    checked = tools_load(tables=[], upstreams=[table], check=True)
     assert checked.upstreams_created == ["ghost"]
     assert not McpUpstream.objects.exists()
 
-    loaded = services.tools_load(tables=[], upstreams=[table])
+    loaded = tools_load(tables=[], upstreams=[table])
     # It could not be started from here: said, not refused.
     assert loaded.listed[0].error
     assert McpUpstream.objects.get().list_error
-    again = services.tools_load(tables=[], upstreams=[table], connect=False)
+    again = tools_load(tables=[], upstreams=[table], connect=False)
     assert again.upstreams_unchanged == ["ghost"]
 
     # A file of HTTP tools prunes HTTP tools only: the upstream stays.
     desk_echo = {"name": "desk.echo", "effect": "read", "url": "http://127.0.0.1:9/echo"}
     settings.EXECUTOR_HTTP_ALLOWED_HOSTS = ["127.0.0.1:9"]
-    only_tools = services.tools_load(tables=[desk_echo], prune=True)
+    only_tools = tools_load(tables=[desk_echo], prune=True)
     assert only_tools.upstreams_removed == []
     assert McpUpstream.objects.filter(name="ghost").exists()
     # A file of upstreams prunes the upstreams it does not name, and no HTTP tool.
     other = {"name": "other", "command": [str(tmp_path / "no-such-server")]}
-    pruned = services.tools_load(tables=[], upstreams=[other], prune=True, connect=False)
+    pruned = tools_load(tables=[], upstreams=[other], prune=True, connect=False)
     assert pruned.upstreams_removed == ["ghost"]
     assert pruned.removed == []
     assert list(McpUpstream.objects.values_list("name", flat=True)) == ["other"]

@@ -10,7 +10,7 @@ import pytest
 from django.core.checks import run_checks
 from django.db import DEFAULT_DB_ALIAS, connection, connections
 
-from executor import checks
+from executor.ledger import checks
 
 pytestmark = pytest.mark.django_db
 

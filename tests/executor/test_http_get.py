@@ -17,12 +17,8 @@ from django.conf import settings as django_settings
 from django.core.exceptions import ImproperlyConfigured
 from guardian.shortcuts import assign_perm
 
-from executor import engine, services
-from executor.models import Agent, ApprovalRule, Effect, Idempotency, Run, Step
-from executor.models import Tool as ToolRow
-from executor.states import State
-from executor.tools import outbound
-from executor.tools.base import (
+from executor import engine
+from executor.contract.tool import (
     Invocation,
     RetryPolicy,
     Tool,
@@ -31,6 +27,11 @@ from executor.tools.base import (
     register,
     unregister,
 )
+from executor.ledger.records import Agent, ApprovalRule, Effect, Idempotency, Run, Step
+from executor.ledger.records import Tool as ToolRow
+from executor.ledger.states import State
+from executor.services.tools import tools_sync
+from executor.tools import outbound
 from executor.tools.http_get import MAX_BODY_CHARS
 from tests.support.api import ApiClient, error_of
 
@@ -258,7 +259,7 @@ class PickyTool(Tool):
 def picky(agent: Agent) -> Iterator[str]:
     register(PickyTool)
     try:
-        services.tools_sync()
+        tools_sync()
         assign_perm("executor.use_tool", agent.user, ToolRow.objects.get(name=PickyTool.name))
         yield PickyTool.name
     finally:

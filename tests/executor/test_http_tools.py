@@ -21,13 +21,19 @@ from django.test import Client
 from django.urls import reverse
 from guardian.shortcuts import assign_perm
 
-from executor import dispatch, engine, policy, recovery, services
+from executor import engine
+from executor.common import dispatch
+from executor.contract.tool import get_tool, unregister
 from executor.drill.processes import DeskProcess
-from executor.models import Agent, Approval, Attempt, Event, HttpToolSpec, Run, Step
-from executor.models import Tool as ToolRow
-from executor.states import State
+from executor.engine import recovery
+from executor.ledger.records import Agent, Approval, Attempt, Event, HttpToolSpec, Run, Step
+from executor.ledger.records import Tool as ToolRow
+from executor.ledger.states import State
+from executor.policy import authorization
+from executor.services.accounts import agent_set_tools
+from executor.services.posting import step_post
+from executor.services.reviews import compensation_request, step_approve
 from executor.tools import http as http_tools
-from executor.tools.base import get_tool, unregister
 from tests.support.api import ApiClient
 
 pytestmark = pytest.mark.django_db
@@ -133,12 +139,12 @@ def refused(tmp_path: Path, text: str) -> str:
 @pytest.fixture
 def loaded(desk: httpx.Client, tmp_path: Path, agent: Agent) -> httpx.Client:
     load(tmp_path, toml(desk, DESK_TOOLS))
-    services.agent_set_tools(agent=agent, tools=None)
+    agent_set_tools(agent=agent, tools=None)
     return desk
 
 
 def post(agent: Agent, run: Run, tool: str, key: str, **input: Any) -> Step:
-    step, created = services.step_post(agent=agent, run=run, key=key, tool_name=tool, input=input)
+    step, created = step_post(agent=agent, run=run, key=key, tool_name=tool, input=input)
     assert created
     return step
 
@@ -241,8 +247,8 @@ def test_a_loaded_tool_runs_through_the_engine_and_compensates(
     done = Step.objects.get(pk=step.pk)
     assert tickets(loaded, step) == [int(done.external_id)]
     assert done.result["title"] == "printer on fire"
-    undo = services.compensation_request(step=done, user=reviewer, version=done.version, reason="x")
-    services.step_approve(step=undo, user=reviewer, version=undo.version, reason="undo it")
+    undo = compensation_request(step=done, user=reviewer, version=done.version, reason="x")
+    step_approve(step=undo, user=reviewer, version=undo.version, reason="undo it")
     assert engine.process(undo.pk, worker="w1") == State.COMPLETED
     ticket = loaded.get(f"/tickets/{done.external_id}").json()
     assert ticket["status"] == "closed"
@@ -339,7 +345,7 @@ def test_an_edited_tool_is_a_new_policy_version_so_earlier_approvals_fail(
     load(tmp_path, toml(loaded, gated))
     step = post(agent, run, "desk.echo", "gated", note="x")
     assert step.state == State.PLANNED
-    services.step_approve(step=step, user=reviewer, version=step.version, reason="ok")
+    step_approve(step=step, user=reviewer, version=step.version, reason="ok")
     before = get_tool("desk.echo").policy_version()
 
     load(tmp_path, toml(loaded, gated.replace('X-Note = "sent', 'X-Note = "now')))
@@ -374,7 +380,7 @@ def test_create_agent_grants_only_the_tools_named(desk: httpx.Client, tmp_path: 
     call_command("create_agent", "picky", workspace="acme", tools="echo,desk.echo", stdout=out)
 
     agent = Agent.objects.get(name="picky")
-    usable = policy.grants(
+    usable = authorization.grants(
         users=[agent.user_id], workspaces=[], tools=["echo", "desk.echo", "http.get"]
     )
     assert {tool for _, codename, _, tool in usable if codename == "use_tool"} == {

@@ -29,8 +29,10 @@ from guardian.shortcuts import assign_perm
 
 import executor.engine.commits as commits
 import executor.engine.runtime as runtime
-from executor import dispatch, engine, services
-from executor.models import (
+from executor import engine
+from executor.common import dispatch
+from executor.contract.tool import Invocation, ToolResult, register, unregister
+from executor.ledger.records import (
     Agent,
     Attempt,
     Effect,
@@ -41,10 +43,11 @@ from executor.models import (
     RunStatus,
     Step,
 )
-from executor.models import Tool as ToolRow
-from executor.states import State
+from executor.ledger.records import Tool as ToolRow
+from executor.ledger.states import State
+from executor.services.runs import run_create
+from executor.services.tools import tools_sync
 from executor.tools import http as http_tools
-from executor.tools.base import Invocation, ToolResult, register, unregister
 from tests.support import tooling
 from tests.support.slow_service import Running
 from tests.support.tooling import (
@@ -123,7 +126,7 @@ def tools(agent: Agent) -> Iterator[None]:
         for cls in (SlowWrite, AsyncWrite):
             cls.reset()
             register(cls)
-        services.tools_sync()
+        tools_sync()
         for row in ToolRow.objects.filter(name__in=[SlowWrite.name, AsyncWrite.name]):
             assign_perm("executor.use_tool", agent.user, row)
         try:
@@ -203,7 +206,7 @@ def test_no_more_calls_than_the_limit_are_in_flight(agent: Agent, run: Run, sett
 
 def test_calls_beyond_the_runs_budget_are_never_made(agent: Agent, settings: Any) -> None:
     settings.EXECUTOR_MAX_IN_FLIGHT = 20
-    run, _ = services.run_create(agent=agent, name="capped", max_calls=5)
+    run, _ = run_create(agent=agent, name="capped", max_calls=5)
     steps = post_many(agent, run, SlowWrite.name, 12)
 
     engine.drain(worker="w1")
@@ -345,7 +348,7 @@ def limited(agent: Agent) -> Iterator[None]:
     for cls in (LimitedWrite, RatedRead):
         cls.reset()
         register(cls)
-    services.tools_sync()
+    tools_sync()
     for row in ToolRow.objects.filter(name__in=[LimitedWrite.name, RatedRead.name]):
         assign_perm("executor.use_tool", agent.user, row)
     yield
@@ -488,8 +491,8 @@ def test_a_tool_table_with_a_bad_limit_is_refused_naming_the_field(settings: Any
 def test_a_run_with_many_steps_due_does_not_make_another_runs_steps_wait(
     agent: Agent, settings: Any
 ) -> None:
-    big, _ = services.run_create(agent=agent, name="ten thousand, say")
-    small, _ = services.run_create(agent=agent, name="a few")
+    big, _ = run_create(agent=agent, name="ten thousand, say")
+    small, _ = run_create(agent=agent, name="a few")
     post_many(agent, big, SlowWrite.name, 300)  # due first
     later = post_many(agent, small, SlowWrite.name, 5)
 
@@ -507,10 +510,10 @@ def test_a_run_with_many_steps_due_does_not_make_another_runs_steps_wait(
 def test_a_worker_process_collects_its_garbage_less_often() -> None:
     # Celery sends worker_init in the worker's parent and worker_process_init in each
     # prefork child: both freeze what start-up made and raise the first generation's
-    # threshold (executor/tasks.py, DESIGN.md §16).
+    # threshold (executor/worker/tasks.py, DESIGN.md §16).
     from celery.signals import worker_init, worker_process_init
 
-    from executor import tasks
+    from executor.worker import tasks
 
     for signal in (worker_init, worker_process_init):
         assert tasks.quieter_garbage_collector in signal._live_receivers(None)

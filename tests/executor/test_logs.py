@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from executor import dispatch, engine, logcontext, recovery
-from executor.models import Agent, Run
-from executor.states import State
-from executor.tools.base import FailureClass
+from executor import engine
+from executor.common import dispatch, logcontext
+from executor.contract.tool import FailureClass
+from executor.engine import recovery
+from executor.ledger.records import Agent, Run
+from executor.ledger.states import State
 from tests.support import tooling
 from tests.support.api import ApiClient
 from tests.support.tooling import LookupTool, post
@@ -80,7 +82,7 @@ def test_recovery_lines_carry_the_step(
 def test_api_lines_carry_the_agent_workspace_run_and_step(
     api: ApiClient, run: Run, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="executor.http")
+    caplog.set_level(logging.INFO, logger="executor.surfaces.http")
     posted = api.post(f"/api/v1/runs/{run.pk}/steps", {"key": "k", "tool": "echo", "input": {}})
     step_id = posted.json()["id"]
 
@@ -110,7 +112,7 @@ def test_a_line_outside_any_context_carries_nothing_extra(caplog: pytest.LogCapt
 def test_log_format_json_makes_each_line_a_json_object(tmp_path: Path) -> None:
     script = (
         "import logging\n"
-        "from executor import logcontext\n"
+        "from executor.common import logcontext\n"
         "with logcontext.bound(step_id='s1', run_id='r1', workspace='acme', attempt=2):\n"
         "    logging.getLogger('executor.engine').warning('attempt %s was fenced out', 7)\n"
     )

@@ -1,4 +1,4 @@
-"""The MCP rules without a transport (executor/mcp.py): names, schemas, what each state
+"""The MCP rules without a transport (executor/surfaces/mcp.py): names, schemas, what each state
 answers, refusals. The SDK's clients against real processes are in tests/recovery/test_mcp.py.
 """
 
@@ -13,9 +13,13 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from executor import mcp, services
-from executor.models import Agent, Run, RunStatus, Step
-from executor.states import State
+from executor.ledger.records import Agent, Run, RunStatus, Step
+from executor.ledger.states import State
+from executor.services import runs
+from executor.services.accounts import agent_set_active, agent_set_tools
+from executor.services.posting import step_post
+from executor.services.runs import run_cancel, run_create
+from executor.surfaces import mcp
 from tests.support.factories import step_in
 
 SECRET = "sk-live-0123456789abcdef"
@@ -54,7 +58,7 @@ def test_key_and_run_are_added_without_hiding_a_tools_own_fields() -> None:
 
 
 def test_the_tools_listed_are_the_ones_the_agent_may_use(session: mcp.Session) -> None:
-    services.agent_set_tools(agent=session.agent, tools=["echo"])
+    agent_set_tools(agent=session.agent, tools=["echo"])
     names = {spec.name for spec in mcp.tools_list(session)}
     assert names == {"echo", "step_status", "run_report"}
 
@@ -176,9 +180,7 @@ def test_a_derived_key_holds_for_the_window_from_the_first_call_and_no_longer(
     first_at = edge - timedelta(seconds=1)
     call = {"title": "x"}
     before = mcp.derived_key(run, "ticketdesk.create", call, now=first_at)
-    services.step_post(
-        agent=run.agent, run=run, key=before, tool_name="ticketdesk.create", input=call
-    )
+    step_post(agent=run.agent, run=run, key=before, tool_name="ticketdesk.create", input=call)
     Step.objects.filter(key=before).update(created_at=first_at)
     # In the next window, but less than a window after the first call: the same call.
     assert mcp.derived_key(run, "ticketdesk.create", call, now=edge) == before
@@ -206,7 +208,7 @@ def test_after_a_person_cancels_the_mcp_run_calls_go_to_a_new_one_and_keys_still
     done = mcp.tools_call(session, "ticketdesk_create", {"title": "a", "key": "before"})
     first = mcp.mcp_run(session.agent)
     assert first is not None
-    services.run_cancel(run=first, actor="user:alice", reason="stop what it queued")
+    run_cancel(run=first, actor="user:alice", reason="stop what it queued")
 
     again = mcp.tools_call(session, "ticketdesk_create", {"title": "a", "key": "before"})
     other = mcp.tools_call(session, "ticketdesk_create", {"title": "b", "key": "before"})
@@ -252,7 +254,7 @@ def test_bad_calls_answer_a_clear_error_and_post_nothing(
 
 
 def test_a_deactivated_agent_is_refused_mid_session(session: mcp.Session) -> None:
-    services.agent_set_active(agent=session.agent, active=False)
+    agent_set_active(agent=session.agent, active=False)
     answer = mcp.tools_call(session, "echo", {"message": "hi"})
     assert answer.is_error
     assert mcp.tools_list(session) == []
@@ -338,14 +340,14 @@ def test_two_processes_making_the_agents_mcp_run_at_once_make_one(
     one in, and the other call takes that run. Threads each have a database connection of
     their own."""
     barrier = threading.Barrier(2, timeout=10)
-    seal = services.runs.run_seal
+    seal = runs.run_seal
 
     def seal_when_both_looked(run: Run, previous: str) -> str:
         if run.key == mcp.MCP_RUN_KEY:
             barrier.wait()
         return seal(run, previous)
 
-    monkeypatch.setattr(services.runs, "run_seal", seal_when_both_looked)
+    monkeypatch.setattr(runs, "run_seal", seal_when_both_looked)
     answers: list[mcp.Answer] = []
 
     def call(key: str) -> None:
@@ -409,10 +411,10 @@ def test_the_next_mcp_run_is_numbered_after_the_highest_whatever_was_removed(
 ) -> None:
     """Only "MCP calls (2)" is left, cancelled (the first was removed since): the next calls
     go into a new run "MCP calls (3)", not back into the cancelled one."""
-    left, _ = services.run_create(
+    left, _ = run_create(
         agent=session.agent, name="MCP calls (2)", key=f"{mcp.MCP_RUN_KEY}-2", mcp=True
     )
-    services.run_cancel(run=left, actor="user:alice", reason="stop it")
+    run_cancel(run=left, actor="user:alice", reason="stop it")
 
     answer = mcp.tools_call(session, "ticketdesk_create", {"title": "a", "key": "after"})
 

@@ -22,10 +22,15 @@ from prometheus_client.openmetrics.parser import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from executor import dispatch, engine, recovery, services
-from executor.metrics import STEP_SECONDS_BUCKETS
-from executor.models import Agent, Run, RunStatus, Step
-from executor.states import State
+from executor import engine
+from executor.common import dispatch
+from executor.engine import recovery
+from executor.ledger.records import Agent, Run, RunStatus, Step
+from executor.ledger.states import State
+from executor.services.reviews import compensation_request, step_approve
+from executor.services.runs import run_create
+from executor.services.tools import tools_sync
+from executor.surfaces.metrics import STEP_SECONDS_BUCKETS
 from tests.support import grown, tooling
 from tests.support.factories import step_in
 
@@ -85,7 +90,7 @@ def test_each_series_has_the_value_the_ledger_implies(agent: Agent, run: Run) ->
     Step.objects.filter(pk=lost.pk).update(not_before=timezone.now() - timedelta(seconds=90))
     done = tooling.post(agent, run, "test.pure")
     assert engine.process(done.pk, worker="w1") == State.COMPLETED
-    paused, _ = services.run_create(agent=agent, name="paused")
+    paused, _ = run_create(agent=agent, name="paused")
     Run.objects.filter(pk=paused.pk).update(status=RunStatus.PAUSED, pause_reason="budget")
 
     got = series(scrape())
@@ -116,7 +121,7 @@ def test_each_series_has_the_value_the_ledger_implies(agent: Agent, run: Run) ->
 
 def make_steps(run: Run, count: int) -> None:
     """`count` step rows in a spread of states (rows only: the metrics read nothing else)."""
-    services.tools_sync()
+    tools_sync()
     states = (State.COMPLETED, State.UNKNOWN, State.PENDING, State.DEAD)
     Step.objects.bulk_create(
         Step(
@@ -172,10 +177,8 @@ def test_no_counter_goes_down_across_a_compensation(
     assert first[("stepward_step_seconds_count", ())] == 1
 
     done.refresh_from_db()
-    undo = services.compensation_request(
-        step=done, user=reviewer, version=done.version, reason="undo it"
-    )
-    services.step_approve(step=undo, user=reviewer, version=undo.version, reason="ok")
+    undo = compensation_request(step=done, user=reviewer, version=done.version, reason="undo it")
+    step_approve(step=undo, user=reviewer, version=undo.version, reason="ok")
     assert engine.process(undo.pk, worker="w1") == State.COMPLETED
     done.refresh_from_db()
     assert done.state == State.COMPENSATED
@@ -207,7 +210,7 @@ def test_the_histogram_buckets_are_the_ones_the_triggers_sort_into() -> None:
 
 
 def test_each_completion_lands_in_its_bucket(run: Run) -> None:
-    services.tools_sync()
+    tools_sync()
     now = timezone.now()
     took = [0.05, 0.3, 2, 100, 7200, 200_000]
     for n, seconds in enumerate(took):
@@ -310,9 +313,9 @@ def test_promtool_finds_nothing_to_say() -> None:
 
 @pytest.mark.postgres
 def test_a_scrape_reads_no_history_on_a_grown_ledger(agent: Agent, run: Run) -> None:
-    services.tools_sync()
+    tools_sync()
     grown.grow_steps(run, 50_000)
-    waiting = services.run_create(agent=agent, name="waiting")[0]
+    waiting = run_create(agent=agent, name="waiting")[0]
     grown.grow_steps(waiting, 300, state=State.PENDING)
     grown.grow_steps(waiting, 20, state=State.UNKNOWN, start=300)
 

@@ -29,8 +29,11 @@ from django.utils import timezone
 from guardian.shortcuts import assign_perm, remove_perm
 
 from console.forms import PAUSED_RUNS
-from executor import dispatch, engine, notify, runs, services, signals, transitions, triggers
-from executor.models import (
+from executor import engine, signals
+from executor.common import dispatch
+from executor.contract.tool import FailureClass, ToolError
+from executor.ledger import runs, transitions
+from executor.ledger.records import (
     Agent,
     DeliveryStatus,
     Notification,
@@ -41,10 +44,13 @@ from executor.models import (
     Step,
     Workspace,
 )
-from executor.models import Tool as ToolRow
-from executor.selectors import InboxKind
-from executor.states import State
-from executor.tools.base import FailureClass, ToolError
+from executor.ledger.records import Tool as ToolRow
+from executor.ledger.selectors import InboxKind
+from executor.ledger.states import State
+from executor.notifications import outbox, triggers
+from executor.services.reviews import compensation_request, step_reject
+from executor.services.runs import run_create
+from executor.services.tools import tool_policy_set
 from tests.support import tooling
 from tests.support.api import ApiClient
 from tests.support.tooling import WriteTool, post, post_many, reload
@@ -80,7 +86,7 @@ def subscribe(workspace: Workspace, url: str, **fields: Any) -> NotifySubscripti
 
 
 def needing_approval(workspace: Workspace, tool: str = "test.write") -> None:
-    services.tool_policy_set(workspace=workspace, tool=tool, approval="always")
+    tool_policy_set(workspace=workspace, tool=tool, approval="always")
 
 
 def verified(request: dict[str, Any]) -> dict[str, Any]:
@@ -95,8 +101,8 @@ def kinds() -> list[str]:
     return list(Notification.objects.order_by("id").values_list("kind", flat=True))
 
 
-def sweep(at: Any = None) -> notify.NotifyReport:
-    report = notify.notify_pass(owner="test", now=at)
+def sweep(at: Any = None) -> outbox.NotifyReport:
+    report = outbox.notify_pass(owner="test", now=at)
     assert report is not None
     return report
 
@@ -134,7 +140,7 @@ def test_a_compensation_request_is_recorded_as_one(agent: Agent, run: Run, revie
     assert engine.process(done.pk, worker="w1") == State.COMPLETED
     done = reload(done)
 
-    undo = services.compensation_request(
+    undo = compensation_request(
         step=done, user=reviewer, version=done.version, reason="wrong customer"
     )
 
@@ -213,7 +219,7 @@ def test_the_engine_spends_no_statement_on_notifications(
     settings.EXECUTOR_TOOL_REFRESH_SECONDS = 10**6
 
     def drain(name: str) -> list[str]:
-        run, _ = services.run_create(agent=agent, name=name)
+        run, _ = run_create(agent=agent, name=name)
         post_many(agent, run, "test.write", 40)
         WriteTool.will(*[FailureClass.AMBIGUOUS] * 40)
         with CaptureQueriesContext(connection) as queries:
@@ -360,7 +366,7 @@ def test_a_global_url_from_the_settings_hears_of_every_workspace(
     needing_approval(other_workspace)
     other_agent = other_agent_auth.agent
     assign_perm("executor.use_tool", other_agent.user, ToolRow.objects.get(name="test.write"))
-    other_run, _ = services.run_create(agent=other_agent, name="other")
+    other_run, _ = run_create(agent=other_agent, name="other")
     post(agent, run, "test.write")
     post(agent, run, "test.write")
     post(other_agent, other_run, "test.write")
@@ -404,7 +410,7 @@ def test_an_item_decided_before_the_sweep_is_nobodys_news(
     needing_approval(workspace)
     subscribe(workspace, receiver.url)
     step = post(agent, run, "test.write")
-    services.step_reject(step=step, user=reviewer, reason="no", version=step.version)
+    step_reject(step=step, user=reviewer, reason="no", version=step.version)
 
     assert sweep().handed_out == 1
     assert receiver.received() == []
@@ -431,7 +437,7 @@ def test_a_reviewers_subscription_brings_only_what_they_may_decide(
     remove_perm("executor.approve_steps", reviewer, workspace)
     post(agent, run, "test.write")
     WriteTool.will(FailureClass.AMBIGUOUS)
-    services.tool_policy_set(workspace=workspace, tool="test.write", approval="never")
+    tool_policy_set(workspace=workspace, tool="test.write", approval="never")
     unknown = post(agent, run, "test.write")
     engine.process(unknown.pk, worker="w1")
 
@@ -712,7 +718,7 @@ def test_a_webhook_without_a_signing_key_is_warned_of(settings: Any) -> None:
 def test_a_webhooks_password_and_header_values_are_masked() -> None:
     url = "jsons://bot:hunter22@hooks.example.com:8443/in?+Authorization=Bearer%20abc123xyz"
 
-    shown = notify.masked(url)
+    shown = outbox.masked(url)
 
     assert shown == "jsons://bot:****@hooks.example.com:8443/in +Authorization=****"
 

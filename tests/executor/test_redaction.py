@@ -20,8 +20,20 @@ from django.test import Client
 from django.urls import reverse
 from guardian.shortcuts import assign_perm
 
-from executor import dispatch, engine, services
-from executor.models import (
+from executor import engine
+from executor.common import dispatch
+from executor.common.redaction import REDACTED, Redactor, is_secret_key, redact, scrub
+from executor.contract.tool import (
+    FailureClass,
+    Invocation,
+    RetryPolicy,
+    Tool,
+    ToolError,
+    ToolResult,
+    register,
+    unregister,
+)
+from executor.ledger.records import (
     Agent,
     Approval,
     ApprovalRule,
@@ -32,19 +44,9 @@ from executor.models import (
     Run,
     Step,
 )
-from executor.models import Tool as ToolRow
-from executor.redaction import REDACTED, Redactor, is_secret_key, redact, scrub
-from executor.states import State
-from executor.tools.base import (
-    FailureClass,
-    Invocation,
-    RetryPolicy,
-    Tool,
-    ToolError,
-    ToolResult,
-    register,
-    unregister,
-)
+from executor.ledger.records import Tool as ToolRow
+from executor.ledger.states import State
+from executor.services.tools import tools_sync
 from tests.support.api import ApiClient
 
 pytestmark = pytest.mark.django_db
@@ -104,7 +106,7 @@ def secret_tools(agent: Agent) -> Iterator[None]:
     for cls in (SecretEcho, SecretFailure):
         register(cls)
     try:
-        services.tools_sync()
+        tools_sync()
         for row in ToolRow.objects.filter(name__in=[SecretEcho.name, SecretFailure.name]):
             assign_perm("executor.use_tool", agent.user, row)
         with dispatch.publishing(dispatch.dropping_publisher):

@@ -11,9 +11,9 @@ import pytest
 from django.contrib.auth.models import User
 
 from executor import engine
-from executor.logcontext import JsonFormatter, PlainFormatter
-from executor.models import Run, Step
-from executor.redaction import REDACTED, Redactor, redact
+from executor.common.logcontext import JsonFormatter, PlainFormatter
+from executor.common.redaction import REDACTED, Redactor, redact
+from executor.ledger.records import Run, Step
 from tests.executor.test_redaction import SecretEcho, SecretFailure, secret_tools, surfaces
 
 __all__ = ["secret_tools"]  # a fixture, used by name

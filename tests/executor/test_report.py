@@ -8,15 +8,15 @@ from typing import Any
 import pytest
 from django.db.models import F
 
-from executor import engine, selectors, services, transitions
-from executor.models import Agent, Run, Step
-from executor.states import State
+from executor import engine
+from executor.ledger import selectors, transitions
+from executor.ledger.records import Agent, Run, Step
+from executor.ledger.states import State
+from executor.services.posting import step_post
 
 
 def post(agent: Agent, run: Run, key: str, tool: str = "echo", **body: Any) -> Step:
-    step, _ = services.step_post(
-        agent=agent, run=run, key=key, tool_name=tool, input=body or {"n": key}
-    )
+    step, _ = step_post(agent=agent, run=run, key=key, tool_name=tool, input=body or {"n": key})
     return step
 
 

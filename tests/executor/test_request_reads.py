@@ -13,8 +13,10 @@ from django.db.models import Model
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from executor import selectors, services
-from executor.models import Agent, Run, Workspace, hash_token
+from executor.ledger import selectors
+from executor.ledger.records import Agent, Run, Workspace, hash_token
+from executor.services.accounts import agent_create
+from executor.services.runs import run_create
 from tests.support.api import AgentAuth
 
 pytestmark = pytest.mark.django_db
@@ -60,10 +62,10 @@ def test_an_unknown_token_an_inactive_agent_or_an_inactive_user_is_no_agent(
 def test_the_run_is_loaded_as_the_orm_loads_it_and_only_in_the_agents_workspace(
     agent: Agent, other_workspace: Workspace
 ) -> None:
-    run, _ = services.run_create(
+    run, _ = run_create(
         agent=agent, name="reads", max_calls=3, max_cost=Decimal("1.25"), deadline_seconds=60
     )
-    stranger, _ = services.agent_create(workspace=other_workspace, name="stranger")
+    stranger, _ = agent_create(workspace=other_workspace, name="stranger")
 
     loaded = selectors.run_for_agent(agent=agent, run_id=run.pk)
 

@@ -18,8 +18,9 @@ from django.core.management import CommandError, call_command
 from django.db import connection
 from django.utils import timezone
 
-from executor import engine, ledger, retention, runs, services, sweeper
-from executor.models import (
+from executor import engine
+from executor.ledger import chain, retention, runs
+from executor.ledger.records import (
     Agent,
     Approval,
     Attempt,
@@ -34,8 +35,11 @@ from executor.models import (
     StepCounter,
     Workspace,
 )
-from executor.services import StepRequest
-from executor.states import State
+from executor.ledger.states import State
+from executor.services.posting import StepRequest, step_post, steps_post
+from executor.services.reviews import step_approve
+from executor.services.runs import run_create, run_extend_budget
+from executor.worker import sweeper
 from tests.support import tooling
 
 pytestmark = pytest.mark.django_db
@@ -48,11 +52,11 @@ def tools(agent: Agent) -> Iterator[None]:
 
 
 def new_run(agent: Agent, workspace: Workspace, name: str) -> Run:
-    return services.run_create(agent=agent, name=name)[0]
+    return run_create(agent=agent, name=name)[0]
 
 
 def completed(agent: Agent, run: Run, count: int, prefix: str = "s") -> list[Step]:
-    steps, _ = services.steps_post(
+    steps, _ = steps_post(
         agent=agent,
         run=run,
         requests=[StepRequest(f"{prefix}{n}", "echo", {"n": n}) for n in range(count)],
@@ -111,25 +115,23 @@ def ledger_with_runs(
     with a step waiting for a person, a paused run; a checkpoint listing them all."""
     done = new_run(agent, workspace, "done")
     completed(agent, done, 2)
-    approved, _ = services.step_post(
+    approved, _ = step_post(
         agent=agent, run=done, key="approved", tool_name="test.destructive", input={"n": 1}
     )
-    services.step_approve(step=approved, user=reviewer, version=approved.version, reason="ok")
+    step_approve(step=approved, user=reviewer, version=approved.version, reason="ok")
     assert engine.process(approved.pk, worker="w1") == State.COMPLETED
     fresh = Run.objects.get(pk=done.pk)
-    services.run_extend_budget(
-        run=fresh, user=reviewer, version=fresh.version, reason="more", add_calls=10
-    )
+    run_extend_budget(run=fresh, user=reviewer, version=fresh.version, reason="more", add_calls=10)
     waiting = new_run(agent, workspace, "waiting")
     completed(agent, waiting, 1)
-    planned, _ = services.step_post(
+    planned, _ = step_post(
         agent=agent, run=waiting, key="destroy", tool_name="test.destructive", input={"n": 2}
     )
     assert planned.state == State.PLANNED
     paused = new_run(agent, workspace, "paused")
     completed(agent, paused, 1)
     assert runs.pause(paused, reason="hold on", actor="policy")
-    assert ledger.checkpoint_take() is not None
+    assert chain.checkpoint_take() is not None
     return {"done": done, "waiting": waiting, "paused": paused}
 
 
@@ -186,7 +188,7 @@ def test_a_deleted_run_is_still_a_break(
     archive(tmp_path)
     gone = new_run(agent, workspace, "gone")
     [step] = completed(agent, gone, 1)
-    assert ledger.checkpoint_take() is not None
+    assert chain.checkpoint_take() is not None
     # Deleted by hand, every row of it, in the order the foreign keys allow.
     for table, column in (
         ("executor_event", "run_id"),
@@ -263,11 +265,11 @@ def test_checkpoints_listing_only_archived_runs_are_pruned_and_verify_stays_clea
     settings.EXECUTOR_CHECKPOINT_EXPORT = str(tmp_path / "heads.log")
     old = new_run(agent, workspace, "old")
     completed(agent, old, 2)
-    assert ledger.checkpoint_take() is not None  # 1: lists old's steps
-    assert ledger.checkpoint_take() is not None  # 2: nothing new
+    assert chain.checkpoint_take() is not None  # 1: lists old's steps
+    assert chain.checkpoint_take() is not None  # 2: nothing new
     kept = new_run(agent, workspace, "kept")
     completed(agent, kept, 1)
-    assert ledger.checkpoint_take() is not None  # 3: lists kept's step
+    assert chain.checkpoint_take() is not None  # 3: lists kept's step
 
     report = retention.archive_runs(
         older_than=timedelta(0),
@@ -341,7 +343,7 @@ def grow(agent: Agent, workspace: Workspace, steps: int) -> None:
     sweeper takes one a minute)."""
     for start in range(0, steps, 100):
         run = new_run(agent, workspace, f"r{start}")
-        services.steps_post(
+        steps_post(
             agent=agent,
             run=run,
             requests=[StepRequest(f"s{n}", "echo", {"n": n}) for n in range(100)],
@@ -349,13 +351,13 @@ def grow(agent: Agent, workspace: Workspace, steps: int) -> None:
         while engine.drain(worker="w1"):
             pass
         if (start + 100) % 300 == 0:
-            assert ledger.checkpoint_take() is not None
+            assert chain.checkpoint_take() is not None
 
 
 def verify_peak() -> tuple[int, int]:
     tracemalloc.start()
     try:
-        report = ledger.verify_ledger(chunk_size=100)
+        report = chain.verify_ledger(chunk_size=100)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -383,7 +385,7 @@ def test_the_checkpoints_read_of_what_changed_uses_the_events_time_index(
 ) -> None:
     completed(agent, new_run(agent, workspace, "r"), 3)
     since = timezone.now() - timedelta(minutes=5)
-    query = ledger.changed_steps(since)
+    query = chain.changed_steps(since)
     sql_text, params = (
         Event.objects.filter(created_at__gte=since)
         .order_by("step_id")

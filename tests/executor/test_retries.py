@@ -13,10 +13,12 @@ from django.utils import timezone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from executor import dispatch, engine, services
-from executor.models import Agent, Phase, Run, Step
-from executor.states import State
-from executor.tools.base import FailureClass, Lookup, LookupOutcome, RetryPolicy, ToolError
+from executor import engine
+from executor.common import dispatch
+from executor.contract.tool import FailureClass, Lookup, LookupOutcome, RetryPolicy, ToolError
+from executor.ledger.records import Agent, Phase, Run, Step
+from executor.ledger.states import State
+from executor.services.reviews import deadletter_replay
 from tests.support import tooling
 from tests.support.tooling import (
     DAY,
@@ -321,9 +323,7 @@ def test_replayed_dead_letter_gets_a_fresh_series_of_attempts(
     step = post(agent, run, "test.write")
     fail_until_settled(step, FailureClass.UNAVAILABLE)
     dead = reload(step)
-    services.deadletter_replay(
-        step=dead, user=reviewer, version=dead.version, reason="the desk is back"
-    )
+    deadletter_replay(step=dead, user=reviewer, version=dead.version, reason="the desk is back")
     WriteTool.will(FailureClass.UNAVAILABLE)
 
     assert engine.process(step.pk, worker="w1") == State.PENDING

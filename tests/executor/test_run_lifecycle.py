@@ -1,4 +1,4 @@
-"""executor/runs.py: every run status change is one conditional UPDATE, recorded by one
+"""executor/ledger/runs.py: every run status change is one conditional UPDATE, recorded by one
 RunEvent only when a row changed; nothing else writes a run's status or its events."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from executor import runs, services
-from executor.models import Run, RunAction, RunEvent, RunStatus
+from executor.ledger import runs
+from executor.ledger.records import Run, RunAction, RunEvent, RunStatus
+from executor.services.runs import run_cancel, run_extend_budget
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,15 +49,13 @@ def test_a_paused_run_can_be_cancelled(run: Run) -> None:
 
 def test_extending_the_budget_of_an_open_run_records_no_resume(run: Run, reviewer: Any) -> None:
     """The old code wrote a "resumed" event even when the run was open (no row changed)."""
-    services.run_extend_budget(
-        run=run, user=reviewer, version=run.version, reason="more room", add_calls=5
-    )
+    run_extend_budget(run=run, user=reviewer, version=run.version, reason="more room", add_calls=5)
     assert actions(run) == [RunAction.BUDGET_EXTENDED]
 
 
 def test_cancelling_a_run_twice_records_one_event(run: Run, agent: Any) -> None:
-    services.run_cancel(run=run, actor=agent, reason="stop")
-    services.run_cancel(run=run, actor=agent, reason="stop again")
+    run_cancel(run=run, actor=agent, reason="stop")
+    run_cancel(run=run, actor=agent, reason="stop again")
     assert actions(run) == [RunAction.CANCELLED]
 
 

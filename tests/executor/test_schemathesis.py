@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
-from executor import services
+from executor.services.runs import run_create
 from tests.support.api import AgentAuth
 from tests.support.webserver import web_server
 
@@ -33,8 +33,8 @@ def test_the_served_schema_holds_under_schemathesis(tmp_path: Path, agent_auth: 
     env = {"API_RATE_LIMIT": "1000000/min"}
     agent = agent_auth.agent
     runs = {
-        "STEPWARD_FUZZ_RUN": services.run_create(agent=agent, name="fuzzed")[0],
-        "STEPWARD_FUZZ_CANCEL_RUN": services.run_create(agent=agent, name="to cancel")[0],
+        "STEPWARD_FUZZ_RUN": run_create(agent=agent, name="fuzzed")[0],
+        "STEPWARD_FUZZ_CANCEL_RUN": run_create(agent=agent, name="to cancel")[0],
     }
     with web_server(tmp_path, workers=2, threads=4, env=env) as server:
         run = subprocess.run(

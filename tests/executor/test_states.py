@@ -6,8 +6,7 @@ from collections import deque
 
 import pytest
 
-from executor import client
-from executor.states import (
+from executor.ledger.states import (
     ALLOWED,
     CANCELLABLE,
     CONFIRMED,
@@ -24,6 +23,7 @@ from executor.states import (
     State,
     is_allowed,
 )
+from stepward_client import client
 
 
 def reachable(start: State) -> set[State]:
@@ -83,7 +83,7 @@ def test_nothing_cancellable_was_submitted_and_nothing_confirmed_ended_without_e
 
 
 def test_the_clients_copy_of_the_states_is_the_ledgers() -> None:
-    # executor/client.py stands alone (copied into agents): its copy is checked here.
+    # stepward_client/client.py stands alone (copied into agents): its copy is checked here.
     assert {state.value for state in State} == client.STATES
     assert {state.value for state in IN_PROGRESS} == client.IN_PROGRESS
     assert {state.value for state in SETTLED} == client.SETTLED

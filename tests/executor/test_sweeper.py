@@ -9,10 +9,15 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
-from executor import dispatch, engine, recovery, services, sweeper, transitions
-from executor.models import Agent, Run, Step, SweeperLease
-from executor.states import State
-from executor.tools.base import FailureClass, Lookup, LookupOutcome, unregister
+from executor import engine
+from executor.common import dispatch
+from executor.contract.tool import FailureClass, Lookup, LookupOutcome, unregister
+from executor.engine import recovery
+from executor.ledger import transitions
+from executor.ledger.records import Agent, Run, Step, SweeperLease
+from executor.ledger.states import State
+from executor.services.tools import tools_sync
+from executor.worker import sweeper
 from tests.support import tooling
 from tests.support.factories import step_in
 from tests.support.tooling import LookupTool, WriteTool, expire_lease, post, reload
@@ -239,7 +244,7 @@ def test_one_step_of_an_unregistered_tool_does_not_stop_the_sweep(agent: Agent, 
     engine.claim_step(orphan.pk, worker="w1")
     expire_lease(orphan)
     unregister("test.write")
-    services.tools_sync()
+    tools_sync()
     lost = post(agent, run, "test.pure")
 
     report = sweeper.sweep(owner="s1")

@@ -20,8 +20,10 @@ from django.core.management import CommandError, call_command
 from django.db import connection
 from django.utils import timezone
 
-from executor import dispatch, engine, ledger, runs, services, sweeper
-from executor.models import (
+from executor import engine
+from executor.common import dispatch
+from executor.ledger import chain, runs
+from executor.ledger.records import (
     Agent,
     Approval,
     Attempt,
@@ -34,7 +36,12 @@ from executor.models import (
     Workspace,
     call_hash,
 )
-from executor.states import State
+from executor.ledger.states import State
+from executor.services.posting import step_post
+from executor.services.reviews import step_approve
+from executor.services.runs import run_create, run_extend_budget
+from executor.services.tools import tool_policy_set
+from executor.worker import sweeper
 from tests.support import tooling
 
 pytestmark = pytest.mark.django_db
@@ -59,12 +66,12 @@ def sql(statement: str, params: list[Any]) -> None:
 
 def completed_steps(agent: Agent, run: Run, count: int = 3) -> list[Step]:
     steps = [
-        services.step_post(agent=agent, run=run, key=f"s{n}", tool_name="echo", input={"n": n})[0]
+        step_post(agent=agent, run=run, key=f"s{n}", tool_name="echo", input={"n": n})[0]
         for n in range(count)
     ]
     for step in steps:
         assert engine.process(step.pk, worker="w1") == State.COMPLETED
-    assert ledger.checkpoint_take() is not None
+    assert chain.checkpoint_take() is not None
     return [Step.objects.get(pk=step.pk) for step in steps]
 
 
@@ -187,7 +194,7 @@ def test_editing_a_steps_input_and_its_hash_is_caught(agent: Agent, run: Run) ->
 def test_moving_a_step_and_its_events_to_another_run_is_caught(agent: Agent, run: Run) -> None:
     steps = completed_steps(agent, run)
     moved = steps[2]
-    other, _ = services.run_create(agent=agent, name="elsewhere")
+    other, _ = run_create(agent=agent, name="elsewhere")
     for table, column in ((EVENTS, "step_id"), (STEPS, "id")):
         sql(f"UPDATE {table} SET run_id = %s WHERE {column} = %s", [other.pk.hex, moved.pk.hex])
 
@@ -209,8 +216,8 @@ def test_an_edited_checkpoint_is_caught(agent: Agent, run: Run) -> None:
 
 def test_a_deleted_checkpoint_is_caught(agent: Agent, run: Run) -> None:
     completed_steps(agent, run)
-    ledger.checkpoint_take()
-    ledger.checkpoint_take()
+    chain.checkpoint_take()
+    chain.checkpoint_take()
     sql(f"DELETE FROM {CHECKPOINTS} WHERE seq = 2", [])
 
     findings = verify()
@@ -245,17 +252,17 @@ def test_a_checkpoint_lists_each_step_changed_since_the_one_before_once(
 ) -> None:
     completed_steps(agent, run)  # checkpoint 1 lists all three
     # Their moves are within the next ones' overlap window: read again, not listed again.
-    assert ledger.checkpoint_take().heads == []  # type: ignore[union-attr]
-    later, _ = services.step_post(agent=agent, run=run, key="later", tool_name="echo", input={})
+    assert chain.checkpoint_take().heads == []  # type: ignore[union-attr]
+    later, _ = step_post(agent=agent, run=run, key="later", tool_name="echo", input={})
 
-    checkpoint = ledger.checkpoint_take()
+    checkpoint = chain.checkpoint_take()
 
     assert checkpoint is not None
     assert [(head[0], head[2]) for head in checkpoint.heads] == [(str(later.pk), 3)]
-    assert ledger.checkpoint_take().heads == []  # type: ignore[union-attr]
+    assert chain.checkpoint_take().heads == []  # type: ignore[union-attr]
     assert engine.process(later.pk, worker="w1") == State.COMPLETED
-    assert [head[0] for head in ledger.checkpoint_take().heads] == [str(later.pk)]  # type: ignore[union-attr]
-    assert ledger.verify_ledger().findings == []
+    assert [head[0] for head in chain.checkpoint_take().heads] == [str(later.pk)]  # type: ignore[union-attr]
+    assert chain.verify_ledger().findings == []
 
 
 # --- approvals, attempts, run events and budgets are in the chain too ------------------------
@@ -273,17 +280,15 @@ def decided(agent: Agent, workspace: Workspace, reviewer: Any) -> Iterator[dict[
 
 
 def _decided(agent: Agent, workspace: Workspace, reviewer: Any) -> dict[str, Any]:
-    run, _ = services.run_create(agent=agent, name="decided", max_calls=5)
-    services.tool_policy_set(workspace=workspace, tool="test.pure", approval="always")
-    step, _ = services.step_post(agent=agent, run=run, key="k", tool_name="test.pure", input={})
-    services.step_approve(step=step, user=reviewer, version=step.version, reason="looks right")
+    run, _ = run_create(agent=agent, name="decided", max_calls=5)
+    tool_policy_set(workspace=workspace, tool="test.pure", approval="always")
+    step, _ = step_post(agent=agent, run=run, key="k", tool_name="test.pure", input={})
+    step_approve(step=step, user=reviewer, version=step.version, reason="looks right")
     assert engine.process(step.pk, worker="w1") == State.COMPLETED
-    services.run_extend_budget(
-        run=run, user=reviewer, version=run.version, reason="more room", add_calls=5
-    )
+    run_extend_budget(run=run, user=reviewer, version=run.version, reason="more room", add_calls=5)
     runs.pause(run, reason="deadline check", actor="policy")
     runs.resume(run, actor="user:bob", reason="carry on")
-    assert ledger.checkpoint_take() is not None
+    assert chain.checkpoint_take() is not None
     approval = Approval.objects.get(step=step, approver=reviewer)
     return {"run": run, "step": step, "approval": approval, "attempt": step.attempts.get()}
 
@@ -485,12 +490,12 @@ def exported(settings: Any, tmp_path: Any) -> Any:
 def test_each_checkpoint_is_exported_to_the_file_and_the_log(
     agent: Agent, run: Run, exported: Any, caplog: Any
 ) -> None:
-    with caplog.at_level("INFO", logger="executor.ledger"):
+    with caplog.at_level("INFO", logger="executor.ledger.chain"):
         completed_steps(agent, run)
-        second = ledger.checkpoint_take()
+        second = chain.checkpoint_take()
 
     assert second is not None
-    kept = ledger.read_exported(exported)
+    kept = chain.read_exported(exported)
     assert kept == list(Checkpoint.objects.order_by("seq").values_list("seq", "hash"))
     assert len(kept) == 2
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("checkpoint")]
@@ -522,7 +527,7 @@ def test_checkpoints_rewritten_with_the_key_are_caught_against_the_export(
     completed_steps(agent, run)
     kept = exported.read_text()
     sql(f"DELETE FROM {CHECKPOINTS}", [])
-    ledger.checkpoint_take(now=timezone.now() + timedelta(seconds=1))  # a new checkpoint 1
+    chain.checkpoint_take(now=timezone.now() + timedelta(seconds=1))  # a new checkpoint 1
     exported.write_text(kept)
 
     out = StringIO()
@@ -556,9 +561,9 @@ def test_against_a_file_that_holds_no_heads_is_refused(
 def test_since_verifies_what_changed_after_that_checkpoint(agent: Agent, run: Run) -> None:
     with mock.patch("django.utils.timezone.now", return_value=timezone.now() - timedelta(hours=1)):
         completed_steps(agent, run)  # checkpoint 1, an hour ago
-    later, _ = services.step_post(agent=agent, run=run, key="later", tool_name="echo", input={})
+    later, _ = step_post(agent=agent, run=run, key="later", tool_name="echo", input={})
     assert engine.process(later.pk, worker="w1") == State.COMPLETED
-    checkpoint = ledger.checkpoint_take()
+    checkpoint = chain.checkpoint_take()
     assert checkpoint is not None
     assert [head[0] for head in checkpoint.heads] == [str(later.pk)]  # checkpoint 2
     sql(f"UPDATE {STEPS} SET external_id = %s WHERE id = %s", ["forged", later.pk.hex])

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from executor.tools.base import (
+from executor.contract.tool import (
     FailureClass,
     Invocation,
     LookupOutcome,
@@ -858,10 +858,10 @@ def test_the_tools_declare_what_the_engine_relies_on() -> None:
 
 @pytest.mark.django_db
 def test_the_new_tools_are_mirrored_into_the_ledger_with_their_lookups() -> None:
-    from executor import services
-    from executor.models import Tool
+    from executor.ledger.records import Tool
+    from executor.services.tools import tools_sync
 
-    services.tools_sync()
+    tools_sync()
 
     rows = {row.name: row for row in Tool.objects.filter(registered=True)}
     assert {

@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 import executor.tools
-from executor import models
+from executor.ledger import records
 
 ROOT = Path(__file__).resolve().parents[2]
 PUBLIC_NAMES = (
@@ -57,9 +57,9 @@ def test_the_public_import_path_has_every_name_api_md_lists() -> None:
 
 
 def test_the_records_take_their_vocabulary_from_the_tool_contract() -> None:
-    assert models.Effect is executor.tools.Effect
-    assert models.Idempotency is executor.tools.Idempotency
-    assert models.ApprovalRule is executor.tools.ApprovalRule
+    assert records.Effect is executor.tools.Effect
+    assert records.Idempotency is executor.tools.Idempotency
+    assert records.ApprovalRule is executor.tools.ApprovalRule
 
 
 def test_a_module_of_good_tools_loads(tmp_path: Path) -> None:

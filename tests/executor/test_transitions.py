@@ -10,9 +10,9 @@ from django.db import IntegrityError, connection, transaction
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from executor.models import Event, Run, Step
-from executor.states import ALLOWED, LEASED, TERMINAL, State
-from executor.transitions import IllegalTransition, StaleStep, event_hash, move
+from executor.ledger.records import Event, Run, Step
+from executor.ledger.states import ALLOWED, LEASED, TERMINAL, State
+from executor.ledger.transitions import IllegalTransition, StaleStep, event_hash, move
 from tests.support.factories import (
     WORKER,
     advance,

@@ -13,11 +13,13 @@ from typing import Any
 import httpx
 import pytest
 
-from executor import services, transitions
-from executor.api import long_polls_held
 from executor.drill.processes import wait_until
-from executor.models import Run, Step
-from executor.states import State
+from executor.ledger import transitions
+from executor.ledger.records import Run, Step
+from executor.ledger.states import State
+from executor.services.accounts import agent_create
+from executor.services.runs import run_create
+from executor.surfaces.api import long_polls_held
 from tests.support.api import AgentAuth
 from tests.support.factories import new_step
 from tests.support.webserver import WebServer, api_request, raw, web_server
@@ -70,7 +72,7 @@ def test_a_chunked_body_over_the_limit_answers_413(
 
 
 def test_a_chunked_batch_has_the_batch_limit(server: WebServer, agent_auth: AgentAuth) -> None:
-    run, _ = services.run_create(agent=agent_auth.agent, name="batch")
+    run, _ = run_create(agent=agent_auth.agent, name="batch")
     items = [{"key": f"s{n}", "tool": "echo", "input": {"n": n}} for n in range(100)]
     body = httpx.Request("POST", "/", json={"steps": items}).content
     assert len(body) > 4096
@@ -185,8 +187,8 @@ def test_a_flood_of_long_polls_from_many_agents_leaves_threads_for_everyone_else
     threads: it holds API_MAX_WAITS_PER_PROCESS (4) and refuses the rest at once with 429
     and Retry-After; meanwhile another agent's request and a console page are answered.
     Before the cap, the flood held every thread: another agent's GET /tools took 80 s."""
-    flooders = [services.agent_create(workspace=workspace, name=f"flood-{n}") for n in range(40)]
-    _, other_token = services.agent_create(workspace=workspace, name="bystander")
+    flooders = [agent_create(workspace=workspace, name=f"flood-{n}") for n in range(40)]
+    _, other_token = agent_create(workspace=workspace, name="bystander")
     watched = new_step(run, key="watched")
     env = {"API_MAX_WAITS_PER_PROCESS": "4", "API_MAX_WAITS_PER_AGENT": "2"}
     with web_server(tmp_path, workers=1, threads=8, env=env) as server:

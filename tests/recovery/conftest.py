@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 from django.conf import settings as django_settings
 
-from executor import services
 from executor.drill.config import current_database_url
 from executor.drill.processes import DeskProcess
-from executor.models import Agent, Run, Step
+from executor.ledger.records import Agent, Run, Step
+from executor.services.posting import step_post
 from tests.support.cluster import FAST_EXECUTOR, Cluster, Stall, broker_env, own_queue
 from tests.support.processes import (
     Desk,
@@ -98,7 +98,7 @@ def post(run: Run, agent: Agent) -> Callable[..., Step]:
     """Posts a step as the agent; its message is published when the post commits."""
 
     def post_step(tool: str, tool_input: dict[str, Any], *, key: str | None = None) -> Step:
-        step, created = services.step_post(
+        step, created = step_post(
             agent=agent,
             run=run,
             key=key or f"step-{uuid.uuid4().hex[:12]}",

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from django.db import connection
 
-from executor import services
-from executor.models import Agent, Event, Phase, Run, Step
-from executor.states import State
+from executor.ledger.records import Agent, Event, Phase, Run, Step
+from executor.ledger.states import State
+from executor.services.posting import StepRequest, steps_post
 from tests.support.cluster import STALL_MARKER, STALL_SECONDS, Cluster, Stall
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -45,15 +45,14 @@ def light_stall(transactional_db: Any) -> Any:
 
 def post_batch(agent: Agent, run: Run) -> list[Step]:
     requests = [
-        services.StepRequest(f"echo-{i}", "echo", {"n": i, "nonce": uuid.uuid4().hex})
-        for i in range(ECHOES)
+        StepRequest(f"echo-{i}", "echo", {"n": i, "nonce": uuid.uuid4().hex}) for i in range(ECHOES)
     ]
     for tool in ("ticketdesk.create", "ticketdesk.create_keyed"):
         requests += [
-            services.StepRequest(f"{tool}-{i}", tool, {"title": f"batch {uuid.uuid4().hex[:8]}"})
+            StepRequest(f"{tool}-{i}", tool, {"title": f"batch {uuid.uuid4().hex[:8]}"})
             for i in range(TICKETS)
         ]
-    steps, created = services.steps_post(agent=agent, run=run, requests=requests)
+    steps, created = steps_post(agent=agent, run=run, requests=requests)
     assert all(created)
     return steps
 

@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from executor import faults, services
-from executor.models import Phase, Run, Step
-from executor.states import State
+from executor.common import faults
+from executor.ledger.records import Phase, Run, Step
+from executor.ledger.states import State
+from executor.services.tools import tool_policy_set
 from tests.support.cluster import Cluster, Stall
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -232,7 +233,7 @@ def test_an_irreversible_write_without_lookup_waits_for_a_person_after_a_crash(
 ) -> None:
     """§7 row `submitting`, none of these: unknown, and never retried automatically."""
     # email.send waits for approval by default (issue 11); this test is about the crash.
-    services.tool_policy_set(workspace=run.workspace, tool="email.send", approval="never")
+    tool_policy_set(workspace=run.workspace, tool="email.send", approval="never")
     worker = cluster.worker().start(faults="after_submit:1.0")
     step = post("email.send", {"to": "ops@example.com", "subject": "disk full", "body": "df -h"})
     assert worker.wait_dead(seconds=60, diagnose=cluster.diagnose) == faults.CRASH_EXIT_STATUS

@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import pytest
 
-from executor.models import Attempt, Phase, Step
-from executor.states import State
+from executor.ledger.records import Attempt, Phase, Step
+from executor.ledger.states import State
 from tests.support.cluster import Cluster
 from tests.support.processes import Worker
 

@@ -13,12 +13,14 @@ import pytest
 from mcp import Client
 from mcp_types import CallToolResult
 
-from executor import services
+from executor.contract.tool import unregister
 from executor.gateway.connections import gateway
 from executor.gateway.tools import upstream_tool_names
-from executor.models import Agent, McpUpstream, Step
-from executor.states import State
-from executor.tools.base import unregister
+from executor.ledger.records import Agent, McpUpstream, Step
+from executor.ledger.states import State
+from executor.services.accounts import agent_set_tools
+from executor.services.posting import step_post
+from executor.services.tools import tools_load, tools_sync
 from tests.support.api import AgentAuth
 from tests.support.cluster import Cluster
 from tests.support.mcp import call, over_stdio, text_of
@@ -32,7 +34,7 @@ def loaded_for_the_workers(
     cluster: Cluster, agent: Agent, up: Upstream, repo: GitRepo
 ) -> Iterator[McpUpstream]:
     """The upstream loaded without listing it here: the workers' sweeper lists its tools."""
-    report = services.tools_load(tables=[], upstreams=[git_upstream_table(up, repo)], connect=False)
+    report = tools_load(tables=[], upstreams=[git_upstream_table(up, repo)], connect=False)
     assert report.upstreams_created == ["git"]
     cluster.worker().start()
     cluster.sweeper().start()
@@ -40,8 +42,8 @@ def loaded_for_the_workers(
         lambda: McpUpstream.objects.filter(name="git").exclude(listed_tools=[]).first(),
         what="the sweeper to list the upstream's tools",
     )
-    services.tools_sync()
-    services.agent_set_tools(agent=agent, tools=None)
+    tools_sync()
+    agent_set_tools(agent=agent, tools=None)
     yield row
     gateway().close()
     for name in upstream_tool_names():
@@ -89,7 +91,7 @@ def test_an_upstream_killed_inside_the_workers_call_leaves_the_write_unknown_and
     repo: GitRepo,
 ) -> None:
     up.set("slow")  # the hook holds the call after its commit
-    step, _ = services.step_post(
+    step, _ = step_post(
         agent=agent,
         run=run,
         key="killed",
@@ -111,7 +113,7 @@ def test_an_upstream_killed_inside_the_workers_call_leaves_the_write_unknown_and
     assert repo.commits_with("killed mid-call") == 1
 
     # The worker starts the upstream again for the next call.
-    after, _ = services.step_post(
+    after, _ = step_post(
         agent=agent,
         run=run,
         key="after",

@@ -21,12 +21,12 @@ from django.core.management import call_command
 from django.db import connection
 from guardian.shortcuts import assign_perm
 
-from executor import services
-from executor.models import Agent, Attempt, HttpToolSpec, Run, Step
-from executor.models import Tool as ToolRow
-from executor.states import State
+from executor.contract.tool import unregister
+from executor.ledger.records import Agent, Attempt, HttpToolSpec, Run, Step
+from executor.ledger.records import Tool as ToolRow
+from executor.ledger.states import State
+from executor.services.posting import StepRequest, steps_post
 from executor.tools import http as http_tools
-from executor.tools.base import unregister
 from tests.support.cluster import Cluster
 from tests.support.slow_service import Running
 from tests.support.tooling import assert_within_rate
@@ -87,10 +87,10 @@ def load_slow_tools(port: int, agent: Agent, settings: Any, folder: Path) -> dic
 
 
 def post(agent: Agent, run: Run, tool: str, count: int) -> list[Step]:
-    steps, created = services.steps_post(
+    steps, created = steps_post(
         agent=agent,
         run=run,
-        requests=[services.StepRequest(f"{tool}-{i}", tool, {"n": i}) for i in range(count)],
+        requests=[StepRequest(f"{tool}-{i}", tool, {"n": i}) for i in range(count)],
     )
     assert all(created)
     return steps
@@ -100,10 +100,8 @@ def posts(agent: Agent, run: Run, tool: str, times: int, each: int) -> list[Step
     """`times` posts of `each` steps."""
     steps: list[Step] = []
     for n in range(times):
-        requests = [
-            services.StepRequest(f"{tool}-{n}-{i}", tool, {"n": n, "i": i}) for i in range(each)
-        ]
-        steps += services.steps_post(agent=agent, run=run, requests=requests)[0]
+        requests = [StepRequest(f"{tool}-{n}-{i}", tool, {"n": n, "i": i}) for i in range(each)]
+        steps += steps_post(agent=agent, run=run, requests=requests)[0]
     return steps
 
 

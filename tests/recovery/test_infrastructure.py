@@ -18,10 +18,10 @@ import pytest
 from django.db import connection
 
 from console.celery import app as celery_app
-from executor import dispatch
+from executor.common import dispatch
 from executor.drill.config import current_database_url
-from executor.models import Agent, Attempt, Run, Step
-from executor.states import State
+from executor.ledger.records import Agent, Attempt, Run, Step
+from executor.ledger.states import State
 from tests.recovery.test_in_flight import (
     load_slow_tools,
     post,

@@ -18,10 +18,15 @@ from mcp import Client, StdioServerParameters
 from mcp.client.stdio import stdio_client
 from mcp_types import CallToolResult
 
-from executor import mcp, services
-from executor.mcp_server import run_to_completion
-from executor.models import Agent, Step
-from executor.states import State
+from executor.ledger.records import Agent, Step
+from executor.ledger.states import State
+from executor.services.accounts import agent_set_tools
+from executor.services.posting import step_post
+from executor.services.reviews import step_approve
+from executor.services.runs import run_create
+from executor.services.tools import tool_policy_set
+from executor.surfaces import mcp
+from executor.surfaces.mcp_server import run_to_completion
 from tests.support.api import AgentAuth
 from tests.support.cluster import Cluster, Stall
 from tests.support.mcp import Work, call, mcp_web_server, over_http, over_stdio, text_of
@@ -146,7 +151,7 @@ def test_a_dropped_create_answers_unknown_not_an_error(
 def test_a_tool_needing_approval_answers_awaiting_approval_then_completes(
     cluster: Cluster, web: WebServer, agent_auth: AgentAuth, reviewer: Any
 ) -> None:
-    services.tool_policy_set(
+    tool_policy_set(
         workspace=agent_auth.agent.workspace, tool="ticketdesk.create", approval="always"
     )
     cluster.worker().start()
@@ -160,7 +165,7 @@ def test_a_tool_needing_approval_answers_awaiting_approval_then_completes(
     step = Step.objects.get(pk=first.structured_content["step_id"])
     assert step.state == State.PLANNED
 
-    services.step_approve(step=step, user=reviewer, version=step.version, reason="fine")
+    step_approve(step=step, user=reviewer, version=step.version, reason="fine")
     status = over_http(web, agent_auth.token, call("step_status", {"step_id": str(step.pk)}))
 
     assert not status.is_error, text_of(status)
@@ -189,9 +194,9 @@ def test_the_same_key_twice_is_one_step(
 def test_a_session_cannot_see_or_call_what_its_token_may_not(
     cluster: Cluster, web: WebServer, agent_auth: AgentAuth, other_agent_auth: AgentAuth
 ) -> None:
-    services.agent_set_tools(agent=agent_auth.agent, tools=["echo"])
-    other_run, _ = services.run_create(agent=other_agent_auth.agent, name="theirs")
-    theirs, _ = services.step_post(
+    agent_set_tools(agent=agent_auth.agent, tools=["echo"])
+    other_run, _ = run_create(agent=other_agent_auth.agent, name="theirs")
+    theirs, _ = step_post(
         agent=other_agent_auth.agent,
         run=other_run,
         key="secret-step",

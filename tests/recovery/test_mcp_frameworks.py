@@ -28,11 +28,12 @@ from typing import Any
 
 import pytest
 
-from executor import services
-from executor.models import Agent, Step
-from executor.states import State
+from executor.contract.tool import unregister
+from executor.ledger.records import Agent, Step
+from executor.ledger.states import State
+from executor.services.accounts import agent_set_tools
+from executor.services.tools import http_tools_load, tool_policy_set
 from executor.tools import http as http_tools
-from executor.tools.base import unregister
 from tests.support.api import AgentAuth
 from tests.support.cluster import Cluster
 from tests.support.mcp import mcp_web_server
@@ -246,7 +247,7 @@ def desk_tool(cluster: Cluster, agent: Agent, settings: Any) -> Iterator[str]:
     host = f"127.0.0.1:{cluster.desk.port}"
     settings.EXECUTOR_HTTP_ALLOWED_HOSTS = [host]
     cluster.env["EXECUTOR_HTTP_ALLOWED_HOSTS"] = host
-    services.http_tools_load(
+    http_tools_load(
         tables=[
             {
                 "name": UNSURE_TOOL,
@@ -262,7 +263,7 @@ def desk_tool(cluster: Cluster, agent: Agent, settings: Any) -> Iterator[str]:
             }
         ]
     )
-    services.agent_set_tools(agent=agent, tools=None)
+    agent_set_tools(agent=agent, tools=None)
     cluster.desk.faults(title_faults={DROPPED: "drop_after_commit"})
     yield UNSURE_MCP_NAME
     unregister(UNSURE_TOOL)
@@ -404,7 +405,7 @@ def test_over_stdio_the_framework_hands_on_each_state_with_its_guidance(
     desk_tool: str,
     clients_python: Path,
 ) -> None:
-    services.tool_policy_set(
+    tool_policy_set(
         workspace=agent_auth.agent.workspace, tool="ticketdesk.create", approval="always"
     )
     cluster.worker().start()
@@ -439,7 +440,7 @@ def test_over_http_every_framework_hands_on_each_state_with_its_guidance(
     web: WebServer,
     clients_python: Path,
 ) -> None:
-    services.tool_policy_set(
+    tool_policy_set(
         workspace=agent_auth.agent.workspace, tool="ticketdesk.create", approval="always"
     )
     cluster.worker().start()

@@ -13,9 +13,10 @@ from collections.abc import Callable
 
 import pytest
 
-from executor import dispatch, tasks
-from executor.models import Phase, Step
-from executor.states import State
+from executor.common import dispatch
+from executor.ledger.records import Phase, Step
+from executor.ledger.states import State
+from executor.worker import tasks
 from tests.support.cluster import Cluster
 from tests.support.processes import Worker
 

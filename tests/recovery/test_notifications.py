@@ -14,9 +14,15 @@ from typing import Any
 
 import pytest
 
-from executor import services
 from executor.drill.config import current_database_url
-from executor.models import Agent, DeliveryStatus, NotifyDelivery, NotifySubscription, Workspace
+from executor.ledger.records import (
+    Agent,
+    DeliveryStatus,
+    NotifyDelivery,
+    NotifySubscription,
+    Workspace,
+)
+from executor.services.tools import tool_policy_set
 from tests.support import tooling
 from tests.support.api import ApiClient
 from tests.support.processes import Sweeper, wait_until
@@ -56,7 +62,7 @@ def test_a_sweeper_process_delivers_the_digest_once_the_receiver_is_up(
     sweeper_env: dict[str, str],
     tmp_path: Path,
 ) -> None:
-    services.tool_policy_set(workspace=workspace, tool="test.write", approval="always")
+    tool_policy_set(workspace=workspace, tool="test.write", approval="always")
     receiver = Receiver(free_port(), tmp_path / "received.jsonl")
     NotifySubscription.objects.create(workspace=workspace, name="hook", url=receiver.url)
     run = api.post("/api/v1/runs", {"name": "refunds"}).json()

@@ -32,12 +32,21 @@ import httpx
 import pytest
 from django.conf import settings
 
-from executor.client import SETTLED
+from stepward_client.client import SETTLED
 from tests.support.processes import wait_until
 
 ROOT = Path(settings.BASE_DIR)
 # What a clone holds that the commands read (tests, docs and bench are not needed).
-CHECKOUT = ("console", "executor", "templates", "static", "examples", "manage.py", "Makefile")
+CHECKOUT = (
+    "console",
+    "executor",
+    "stepward_client",
+    "templates",
+    "static",
+    "examples",
+    "manage.py",
+    "Makefile",
+)
 UP = [".venv/bin/python", "manage.py", "up"]
 UP_SECONDS = 240.0
 DEMO_SECONDS = 300.0

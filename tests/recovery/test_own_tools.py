@@ -17,12 +17,15 @@ from typing import Any
 import pytest
 from django.core.management import call_command
 
-from executor import services
-from executor.client import Stepward
-from executor.models import Agent, Attempt, Phase, Run, Step
-from executor.states import State
+from executor.contract.tool import unregister
+from executor.ledger.records import Agent, Attempt, Phase, Run, Step
+from executor.ledger.states import State
+from executor.services.accounts import agent_create, agent_set_tools, reviewer_create
+from executor.services.posting import step_post
+from executor.services.reviews import compensation_request, step_approve
+from executor.services.tools import tools_sync
 from executor.tools import http as http_tools
-from executor.tools.base import unregister
+from stepward_client.client import Stepward
 from tests.support.cluster import Cluster
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -68,7 +71,7 @@ def tool_env(cluster: Cluster, tmp_path: Path, settings: Any) -> Iterator[dict[s
 
 @pytest.fixture
 def client(live_server: Any, agent: Agent) -> Iterator[Stepward]:
-    _, token = services.agent_create(workspace=agent.workspace, name="web-agent")
+    _, token = agent_create(workspace=agent.workspace, name="web-agent")
     with Stepward(live_server.url, token) as client:
         yield client
 
@@ -89,13 +92,13 @@ def load_readme_tools(
     path.write_text(text.replace(MAKE_RUN_DESK, cluster.desk.url))
     call_command("load_tools", str(path), stdout=StringIO())
     for agent in Agent.objects.all():
-        services.agent_set_tools(agent=agent, tools=None)
+        agent_set_tools(agent=agent, tools=None)
 
 
 def test_a_python_tool_from_stepward_tools_completes_in_a_real_worker(
     cluster: Cluster, tool_env: dict[str, str], client: Stepward
 ) -> None:
-    services.tools_sync()
+    tools_sync()
     cluster.worker().start(**tool_env)
     run = client.run("escalations", key="esc-1")
 
@@ -182,16 +185,16 @@ def test_the_readme_toml_compensates_with_its_close_tool(
 ) -> None:
     load_readme_tools(cluster, tmp_path, monkeypatch)
     cluster.worker().start(**tool_env)
-    step, _ = services.step_post(
+    step, _ = step_post(
         agent=agent, run=run, key="t", tool_name="desk.open_ticket", input={"title": "undo me"}
     )
     done = cluster.wait_settled(step)
     assert done.state == State.COMPLETED, cluster.diagnose()
 
-    undo = services.compensation_request(step=done, user=reviewer, version=done.version, reason="x")
+    undo = compensation_request(step=done, user=reviewer, version=done.version, reason="x")
     # Four eyes: another reviewer approves what bob asked for.
-    approver = services.reviewer_create(workspace=agent.workspace, username="erin")
-    services.step_approve(step=undo, user=approver, version=undo.version, reason="undo it")
+    approver = reviewer_create(workspace=agent.workspace, username="erin")
+    step_approve(step=undo, user=approver, version=undo.version, reason="undo it")
 
     assert cluster.wait_settled(undo).state == State.COMPLETED, cluster.diagnose()
     assert Step.objects.get(pk=step.pk).state == State.COMPENSATED

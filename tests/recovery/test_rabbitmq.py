@@ -13,9 +13,9 @@ from collections.abc import Callable
 import pytest
 from celery import Celery
 
-from executor import dispatch
-from executor.models import Step
-from executor.states import State
+from executor.common import dispatch
+from executor.ledger.records import Step
+from executor.ledger.states import State
 from tests.support.cluster import Cluster
 
 AMQP_URL = os.environ.get("STEPWARD_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672//")

@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from executor import faults
+from executor.common import faults
 from executor.drill.invariants import FINAL_STATES
-from executor.ledger import verify_chain
-from executor.models import OPEN_PHASES, Phase, Step
-from executor.states import State
+from executor.ledger.chain import verify_chain
+from executor.ledger.records import OPEN_PHASES, Phase, Step
+from executor.ledger.states import State
 from tests.support.cluster import Cluster, is_settled
 from tests.support.processes import POLL_SECONDS, Worker
 

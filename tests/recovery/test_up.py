@@ -21,10 +21,10 @@ import httpx
 import pytest
 from django.conf import settings
 
-from executor import selectors
 from executor.drill.config import current_database_url
-from executor.models import Run, RunStatus, Step, Workspace
-from executor.states import State
+from executor.ledger import selectors
+from executor.ledger.records import Run, RunStatus, Step, Workspace
+from executor.ledger.states import State
 from tests.support.cluster import broker_env
 from tests.support.processes import describe_ledger, wait_until
 

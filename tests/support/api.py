@@ -8,7 +8,7 @@ from typing import Any
 from django.db import connection
 from django.test import Client
 
-from executor.models import Agent
+from executor.ledger.records import Agent
 
 
 def on_postgres() -> bool:

@@ -13,9 +13,17 @@ from django.test import Client
 from guardian.shortcuts import assign_perm, remove_perm
 from playwright.sync_api import BrowserContext, Locator, Page
 
-from executor import engine, services
+from executor import engine
+from executor.contract.tool import (
+    FailureClass,
+    Invocation,
+    RetryPolicy,
+    Tool,
+    ToolError,
+    ToolResult,
+)
 from executor.drill.processes import DeskProcess
-from executor.models import (
+from executor.ledger.records import (
     Agent,
     ApprovalRule,
     Effect,
@@ -24,16 +32,10 @@ from executor.models import (
     Run,
     Step,
 )
-from executor.models import Tool as ToolRow
-from executor.states import State
-from executor.tools.base import (
-    FailureClass,
-    Invocation,
-    RetryPolicy,
-    Tool,
-    ToolError,
-    ToolResult,
-)
+from executor.ledger.records import Tool as ToolRow
+from executor.ledger.states import State
+from executor.services.posting import step_post
+from executor.services.tools import tool_policy_set
 from tests.support import processes
 
 CHROMIUM_ARGS = [
@@ -186,9 +188,7 @@ EXAMPLE_TOOLS: tuple[type[ExampleTool], ...] = (Refund, Webhook, Summarize)
 
 
 def post(agent: Agent, run: Run, tool: str, key: str, tool_input: dict[str, Any]) -> Step:
-    step, created = services.step_post(
-        agent=agent, run=run, key=key, tool_name=tool, input=tool_input
-    )
+    step, created = step_post(agent=agent, run=run, key=key, tool_name=tool, input=tool_input)
     assert created
     return step
 
@@ -220,7 +220,7 @@ def dead_letter(agent: Agent, run: Run, key: str) -> Step:
 def blocked_step(agent: Agent, run: Run, key: str) -> Step:
     """An email whose agent lost `use_tool` before the claim: the recheck blocks it."""
     # The workspace lets email.send run without approval, so only the recheck stops it.
-    services.tool_policy_set(workspace=run.workspace, tool="email.send", approval="never")
+    tool_policy_set(workspace=run.workspace, tool="email.send", approval="never")
     step = post(
         agent,
         run,

@@ -16,7 +16,7 @@ from django.db import connection
 from console.celery import app as celery_app
 from executor.drill import invariants
 from executor.drill.processes import Child
-from executor.models import Step
+from executor.ledger.records import Step
 from tests.support.postgres import end_backends
 from tests.support.processes import (
     Desk,

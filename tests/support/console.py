@@ -15,8 +15,18 @@ from django.test import Client
 from django.utils import timezone
 from guardian.shortcuts import assign_perm, remove_perm
 
-from executor import dispatch, engine, services, transitions
-from executor.models import (
+from executor import engine
+from executor.common import dispatch
+from executor.contract.tool import (
+    Invocation,
+    Lookup,
+    LookupOutcome,
+    RetryPolicy,
+    Tool,
+    ToolResult,
+)
+from executor.ledger import transitions
+from executor.ledger.records import (
     Agent,
     ApprovalRule,
     Effect,
@@ -26,16 +36,11 @@ from executor.models import (
     Run,
     Step,
 )
-from executor.models import Tool as ToolRow
-from executor.states import State
-from executor.tools.base import (
-    Invocation,
-    Lookup,
-    LookupOutcome,
-    RetryPolicy,
-    Tool,
-    ToolResult,
-)
+from executor.ledger.records import Tool as ToolRow
+from executor.ledger.states import State
+from executor.services.posting import step_post
+from executor.services.reviews import compensation_request
+from executor.services.tools import tools_sync
 
 WORKER = "console-test-worker"
 
@@ -99,7 +104,7 @@ def reload(step: Step) -> Step:
 
 def post(agent: Agent, run: Run, tool: str, key: str, **input: Any) -> Step:
     with dispatch.publishing(dispatch.dropping_publisher):
-        step, created = services.step_post(
+        step, created = step_post(
             agent=agent, run=run, key=key, tool_name=tool, input=input or {"key": key}
         )
     assert created
@@ -193,7 +198,7 @@ def completed(agent: Agent, run: Run, key: str = "done", tool: str = "console.ti
 def compensation(agent: Agent, run: Run, by: User, key: str = "undo-me") -> Step:
     """A planned compensation step, requested by `by` for a completed ticket."""
     original = completed(agent, run, key=key)
-    return services.compensation_request(
+    return compensation_request(
         step=original, user=by, version=original.version, reason="opened by mistake"
     )
 
@@ -201,9 +206,9 @@ def compensation(agent: Agent, run: Run, by: User, key: str = "undo-me") -> Step
 def paused(run: Run, reason: str = "max_calls reached (2 of 2)") -> Run:
     Run.objects.filter(pk=run.pk).update(max_calls=2, used_calls=2)
     run.refresh_from_db()
-    from executor import policy
+    from executor.policy import authorization
 
-    assert policy.run_pause(run, reason=reason, now=timezone.now())
+    assert authorization.run_pause(run, reason=reason, now=timezone.now())
     run.refresh_from_db()
     return run
 
@@ -333,7 +338,7 @@ def bulk_steps(run: Run, count: int, *, batch: int = 5000, tool: str = "echo") -
     lease outside running/verifying, a failure class on dead steps.
     """
     if not ToolRow.objects.filter(name=tool).exists():
-        services.tools_sync()
+        tools_sync()
     start = (
         Step.objects.filter(run=run)
         .order_by("-position")

@@ -9,9 +9,10 @@ from typing import Any
 
 from django.utils import timezone
 
-from executor import services, transitions
-from executor.models import Event, Run, Step, Tool, call_hash
-from executor.states import ALLOWED, LEASED, State
+from executor.ledger import transitions
+from executor.ledger.records import Event, Run, Step, Tool, call_hash
+from executor.ledger.states import ALLOWED, LEASED, State
+from executor.services.tools import tools_sync
 
 TOOL = "echo"
 WORKER = "executor:test-worker"
@@ -57,7 +58,7 @@ def changes_for(step: Step, target: State) -> dict[str, Any]:
 
 def ensure_tool() -> None:
     if not Tool.objects.filter(name=TOOL).exists():
-        services.tools_sync()
+        tools_sync()
 
 
 def new_step(run: Run, *, key: str | None = None) -> Step:

@@ -13,8 +13,8 @@ from typing import Any
 
 from django.db import connection
 
-from executor.models import Agent, Run
-from executor.states import State
+from executor.ledger.records import Agent, Run
+from executor.ledger.states import State
 
 HOT_TABLES = ("executor_step", "executor_attempt", "executor_event")
 

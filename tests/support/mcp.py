@@ -13,7 +13,7 @@ from mcp import Client, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 from mcp_types import CallToolResult
 
-from executor.mcp_server import run_to_completion
+from executor.surfaces.mcp_server import run_to_completion
 from tests.support.cluster import Cluster
 from tests.support.webserver import WebServer
 

@@ -20,7 +20,7 @@ import pytest
 from executor.drill import processes
 from executor.drill.clients import DeskClient
 from executor.drill.processes import Child, DeskProcess, command
-from executor.models import Step
+from executor.ledger.records import Step
 
 POLL_SECONDS = 0.02
 

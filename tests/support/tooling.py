@@ -17,22 +17,8 @@ from django.db import transaction
 from django.utils import timezone
 from guardian.shortcuts import assign_perm
 
-from executor import engine, progress, services, sweeper, transitions
-from executor.models import (
-    Agent,
-    Approval,
-    ApprovalRule,
-    Attempt,
-    Effect,
-    Event,
-    Idempotency,
-    Phase,
-    Run,
-    Step,
-)
-from executor.models import Tool as ToolRow
-from executor.states import State
-from executor.tools.base import (
+from executor import engine
+from executor.contract.tool import (
     FailureClass,
     Invocation,
     Lookup,
@@ -45,6 +31,25 @@ from executor.tools.base import (
     register,
     unregister,
 )
+from executor.engine import progress
+from executor.ledger import transitions
+from executor.ledger.records import (
+    Agent,
+    Approval,
+    ApprovalRule,
+    Attempt,
+    Effect,
+    Event,
+    Idempotency,
+    Phase,
+    Run,
+    Step,
+)
+from executor.ledger.records import Tool as ToolRow
+from executor.ledger.states import State
+from executor.services.posting import StepRequest, step_post, steps_post
+from executor.services.tools import tools_sync
+from executor.worker import sweeper
 
 DAY = 24 * 3600
 # Full jitter may pick any delay from zero up, so only a long interval makes "the retry is
@@ -238,7 +243,7 @@ def installed(agent: Agent) -> Iterator[None]:
         cls.reset()
         register(cls)
     try:
-        services.tools_sync()
+        tools_sync()
         for row in ToolRow.objects.filter(name__in=[cls.name for cls in TOOLS]):
             assign_perm("executor.use_tool", agent.user, row)
         yield
@@ -253,10 +258,10 @@ def installed(agent: Agent) -> Iterator[None]:
 
 def post_many(agent: Agent, run: Run, tool: str, count: int) -> list[Step]:
     """`count` steps of `tool` posted in one batch, keyed `<tool>-<i>`, input `{"n": i}`."""
-    steps, _ = services.steps_post(
+    steps, _ = steps_post(
         agent=agent,
         run=run,
-        requests=[services.StepRequest(f"{tool}-{i}", tool, {"n": i}) for i in range(count)],
+        requests=[StepRequest(f"{tool}-{i}", tool, {"n": i}) for i in range(count)],
     )
     return steps
 
@@ -290,7 +295,7 @@ def post(
 ) -> Step:
     """Posts a step the way the API does."""
     position = Step.objects.filter(run=run).count() + 1
-    step, created = services.step_post(
+    step, created = step_post(
         agent=agent,
         run=run,
         key=key or f"{tool}-{position}",

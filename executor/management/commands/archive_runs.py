@@ -12,8 +12,8 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
-from executor import retention
-from executor.models import Step
+from executor.ledger import retention
+from executor.ledger.records import Step
 
 UNITS = {"d": "days", "h": "hours", "m": "minutes"}
 

@@ -9,8 +9,9 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.core.validators import validate_slug
 from django.db import transaction
 
-from executor import services
-from executor.models import Agent, Tool, ToolUserObjectPermission, Workspace
+from executor.ledger.records import Agent, Tool, ToolUserObjectPermission, Workspace
+from executor.services.accounts import agent_create, workspace_get_or_create
+from executor.services.base import ServiceError
 
 
 class Command(BaseCommand):
@@ -41,11 +42,11 @@ class Command(BaseCommand):
         try:
             # One transaction: a refused agent leaves no workspace created for it behind.
             with transaction.atomic():
-                workspace = services.workspace_get_or_create(slug=slug)
-                agent, token = services.agent_create(
+                workspace = workspace_get_or_create(slug=slug)
+                agent, token = agent_create(
                     workspace=workspace, name=name, tools=_tools(options["tools"])
                 )
-        except services.ServiceError as error:
+        except ServiceError as error:
             raise CommandError(error.message) from None
         usable = ", ".join(
             Tool.objects.filter(registered=True)

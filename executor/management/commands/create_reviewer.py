@@ -10,8 +10,8 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.core.validators import validate_slug
 from django.db import models, transaction
 
-from executor import services
-from executor.models import REVIEWER_PERMISSIONS, Agent, Workspace
+from executor.ledger.records import REVIEWER_PERMISSIONS, Agent, Workspace
+from executor.services.accounts import reviewer_create, workspace_get_or_create
 
 
 class Command(BaseCommand):
@@ -56,8 +56,8 @@ class Command(BaseCommand):
         existed = user_model.objects.filter(username=username).exists()
         new_workspace = not Workspace.objects.filter(slug=slug).exists()
         with transaction.atomic():
-            workspace = services.workspace_get_or_create(slug=slug)
-            services.reviewer_create(workspace=workspace, username=username, password=password)
+            workspace = workspace_get_or_create(slug=slug)
+            reviewer_create(workspace=workspace, username=username, password=password)
 
         self.stdout.write(
             f"{'Updated existing' if existed else 'Created'} user {username!r}; granted "

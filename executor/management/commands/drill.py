@@ -28,7 +28,7 @@ from executor.drill import (
 from executor.drill.config import current_database_url
 from executor.drill.report import as_record, summary_lines
 from executor.drill.runner import Drill
-from executor.models import DrillReport
+from executor.ledger.records import DrillReport
 
 
 class Command(BaseCommand):

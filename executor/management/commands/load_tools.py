@@ -10,8 +10,10 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from executor import services
-from executor.tools.base import find_tool
+from executor.contract.tool import find_tool
+from executor.services.base import Invalid
+from executor.services.rules import RulesLoaded, rules_check, rules_load
+from executor.services.tools import tools_load
 from executor.tools.files import ToolFileError, read_tool_file, unset_variables
 
 
@@ -63,20 +65,16 @@ class Command(BaseCommand):
         try:
             # The rules are checked before anything is written: all or nothing.
             if file.rules:
-                services.rules_check(file.rules)
-            report = services.tools_load(
+                rules_check(file.rules)
+            report = tools_load(
                 tables=file.tools,
                 upstreams=file.upstreams,
                 prune=options["prune"],
                 check=options["check"],
                 connect=not options["no_connect"],
             )
-            rules = (
-                services.rules_load(tables=file.rules, check=options["check"])
-                if file.rules
-                else None
-            )
-        except services.Invalid as error:
+            rules = rules_load(tables=file.rules, check=options["check"]) if file.rules else None
+        except Invalid as error:
             for problem in (error.details or {}).get("problems", []):
                 self.stderr.write(self.style.ERROR(problem))
             raise CommandError(f"{path}: {error.message}") from None
@@ -130,7 +128,7 @@ class Command(BaseCommand):
         else:
             self.stdout.write(self.style.SUCCESS(f"{path}: loaded"))
 
-    def _say_rules(self, rules: services.RulesLoaded, *, check: bool) -> None:
+    def _say_rules(self, rules: RulesLoaded, *, check: bool) -> None:
         count = f"{len(rules.rules)} rule{'s' if len(rules.rules) != 1 else ''}"
         if not rules.changed:
             self.stdout.write(f"{count}: unchanged")

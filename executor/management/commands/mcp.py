@@ -8,7 +8,7 @@ from typing import Any
 import anyio
 from django.core.management.base import BaseCommand, CommandError
 
-from executor import api, mcp_server
+from executor.surfaces import api, mcp_server
 
 
 class Command(BaseCommand):

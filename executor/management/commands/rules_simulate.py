@@ -8,8 +8,10 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from executor import rule_simulation, services
-from executor.models import Workspace
+from executor.ledger.records import Workspace
+from executor.policy import simulation
+from executor.services.base import Invalid
+from executor.services.rules import rules_check
 from executor.tools.files import ToolFileError, read_tool_file
 
 
@@ -25,7 +27,7 @@ class Command(BaseCommand):
         parser.add_argument(
             "--last",
             type=int,
-            default=rule_simulation.DEFAULT_LAST,
+            default=simulation.DEFAULT_LAST,
             help="how many of the most recent calls (default %(default)s)",
         )
         parser.add_argument("--workspace", help="the workspace's slug (default: every one)")
@@ -50,29 +52,27 @@ class Command(BaseCommand):
             path = Path(options["file"])
             try:
                 file = read_tool_file(path)
-                specs = services.rules_check(file.rules)
+                specs = rules_check(file.rules)
             except ToolFileError as error:
                 raise CommandError(str(error)) from None
-            except services.Invalid as error:
+            except Invalid as error:
                 for problem in (error.details or {}).get("problems", []):
                     self.stderr.write(self.style.ERROR(problem))
                 raise CommandError(f"{path}: {error.message}") from None
-            rules = rule_simulation.compiled([spec.row() for spec in specs])
+            rules = simulation.compiled([spec.row() for spec in specs])
             source = f"the {len(rules)} rule(s) of {path}"
-        simulation = rule_simulation.rules_simulate(
+        outcome = simulation.rules_simulate(
             rules=rules, workspace=workspace, tool=options["tool"], last=options["last"]
         )
         where = f"in {workspace.slug}" if workspace else "in every workspace"
-        self.stdout.write(
-            f"{len(simulation.calls)} recent call(s) {where}, weighed against {source}:"
-        )
-        counts = simulation.counts
+        self.stdout.write(f"{len(outcome.calls)} recent call(s) {where}, weighed against {source}:")
+        counts = outcome.counts
         for action in ("allow", "require_approval", "require_two", "refuse"):
             self.stdout.write(f"  {action}: {counts.get(action, 0)}")
-        self.stdout.write(f"  different from what happened: {len(simulation.changed)}")
+        self.stdout.write(f"  different from what happened: {len(outcome.changed)}")
         listed = [
             call
-            for call in simulation.calls
+            for call in outcome.calls
             if options["all"] or call.to_person or call.would == "refuse"
         ]
         if listed:
@@ -84,7 +84,7 @@ class Command(BaseCommand):
                 f"{call.posted_at:%Y-%m-%d %H:%M:%S} | {call.tool} | {call.key} | "
                 f"{call.would}{mark} | {call.happened} | {call.decided_by}"
             )
-        for note in simulation.skipped:
+        for note in outcome.skipped:
             self.stdout.write(self.style.WARNING(f"skipped {note}"))
         if listed and any(call.changed for call in listed):
             self.stdout.write("(* the rules would decide this call differently)")

@@ -8,7 +8,8 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandParser
 
-from executor import engine, sweeper
+from executor import engine
+from executor.worker import sweeper
 
 
 class Command(BaseCommand):

@@ -8,7 +8,7 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from executor.ticketdesk import TicketDeskServer, serve
+from executor.desk.ticketdesk import TicketDeskServer, serve
 
 
 class Command(BaseCommand):

@@ -7,8 +7,9 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from executor import services
-from executor.models import Workspace
+from executor.ledger.records import Workspace
+from executor.services.base import ServiceError
+from executor.services.tools import tool_policy_set
 
 
 class Command(BaseCommand):
@@ -54,7 +55,7 @@ class Command(BaseCommand):
             except InvalidOperation:
                 raise CommandError("--cost-above is not a number") from None
         try:
-            policy = services.tool_policy_set(
+            policy = tool_policy_set(
                 workspace=workspace,
                 tool=options["tool"],
                 approval=options["approval"],
@@ -62,7 +63,7 @@ class Command(BaseCommand):
                 irreversible=options["irreversible"] is not False,
                 cost_above=cost_above,
             )
-        except services.ServiceError as error:
+        except ServiceError as error:
             raise CommandError(error.message) from None
         if policy is None:
             self.stdout.write(

@@ -2,7 +2,7 @@
 
 Checks its ports before it does anything else, then migrates the database; creates an admin
 login (when the database has no superuser) and a demo workspace, agent and reviewer, and
-prints how to use them; then runs a demo agent (executor/demo.py), once per database: the
+prints how to use them; then runs a demo agent (executor/desk/demo.py), once per database: the
 demo agent's runs are the mark that it ran. Children that die are restarted (a drill or fault
 injection may end a worker on purpose), but one that keeps dying right after it starts
 stops everything, naming it and its log. Ctrl-C stops everything.
@@ -31,8 +31,16 @@ from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from executor import services
-from executor.models import Agent, Run
+from executor.ledger.records import Agent, Run
+from executor.services.accounts import (
+    admin_create_first,
+    agent_create,
+    agent_rotate_token,
+    agent_set_tools,
+    reviewer_create,
+    workspace_get_or_create,
+)
+from executor.services.tools import tools_sync
 
 # A child that exits sooner than this after its start did not start; after this many
 # such exits in a row `up` gives up rather than restart it forever.
@@ -268,7 +276,7 @@ class Command(BaseCommand):
                         [
                             python,
                             "-m",
-                            "executor.demo",
+                            "executor.desk.demo",
                             "--url",
                             f"http://{address}",
                             "--token",
@@ -343,7 +351,7 @@ class Command(BaseCommand):
             )
 
     def create_admin(self, address: str) -> None:
-        password = services.admin_create_first(username="admin")
+        password = admin_create_first(username="admin")
         if password:
             self.stdout.write(
                 f"Admin login (made once, shown once): admin / {password} at "
@@ -375,18 +383,18 @@ class Command(BaseCommand):
             )
 
     def create_demo(self, *, public: bool) -> str:
-        workspace = services.workspace_get_or_create(slug="demo", name="Demo")
+        workspace = workspace_get_or_create(slug="demo", name="Demo")
         # A well-known password only while the console listens on loopback.
         password = secrets.token_urlsafe(9) if public else "reviewer"
-        services.reviewer_create(workspace=workspace, username="reviewer", password=password)
-        services.tools_sync()
+        reviewer_create(workspace=workspace, username="reviewer", password=password)
+        tools_sync()
         agent = Agent.objects.filter(workspace=workspace, name=DEMO_AGENT).first()
         if agent is None:
-            agent, token = services.agent_create(workspace=workspace, name=DEMO_AGENT)
+            agent, token = agent_create(workspace=workspace, name=DEMO_AGENT)
         else:
-            token = services.agent_rotate_token(agent=agent)
+            token = agent_rotate_token(agent=agent)
             # The demo agent may use every tool, the demo's own included.
-            services.agent_set_tools(agent=agent, tools=None)
+            agent_set_tools(agent=agent, tools=None)
         self.stdout.write(
             f"Demo workspace 'demo': console login reviewer / {password}; "
             "agent 'demo-agent' token (new at every start):"

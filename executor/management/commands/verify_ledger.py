@@ -9,8 +9,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from executor import ledger, retention
-from executor.models import Step
+from executor.ledger import chain, retention
+from executor.ledger.records import Step
 
 
 class Command(BaseCommand):
@@ -26,8 +26,8 @@ class Command(BaseCommand):
         parser.add_argument(
             "--chunk-size",
             type=int,
-            default=ledger.DEFAULT_CHUNK_SIZE,
-            help=f"steps read per round trip (default {ledger.DEFAULT_CHUNK_SIZE})",
+            default=chain.DEFAULT_CHUNK_SIZE,
+            help=f"steps read per round trip (default {chain.DEFAULT_CHUNK_SIZE})",
         )
         parser.add_argument(
             "--since",
@@ -68,12 +68,12 @@ class Command(BaseCommand):
                 raise CommandError(f"--step: {options['step']!r} is not a UUID") from None
             if not Step.objects.filter(pk=step_id).exists():
                 raise CommandError(f"no step {step_id}")
-            report = ledger.verify_chain(step_ids=[step_id], chunk_size=options["chunk_size"])
+            report = chain.verify_chain(step_ids=[step_id], chunk_size=options["chunk_size"])
         else:
             against: list[tuple[int, str]] = []
             if options["against"]:
                 try:
-                    against = ledger.read_exported(options["against"])
+                    against = chain.read_exported(options["against"])
                 except (OSError, ValueError) as error:
                     raise CommandError(f"--against: {error}") from None
                 if not against:
@@ -81,10 +81,10 @@ class Command(BaseCommand):
                         f"--against: {options['against']} holds no exported checkpoint head"
                     )
             try:
-                report = ledger.verify_ledger(
+                report = chain.verify_ledger(
                     chunk_size=options["chunk_size"], since=options["since"], against=against
                 )
-            except ledger.NoSuchCheckpoint as error:
+            except chain.NoSuchCheckpoint as error:
                 raise CommandError(f"--since: {error}") from None
         for finding in report.findings:
             self.stdout.write(self.style.ERROR(str(finding)))
@@ -96,8 +96,8 @@ class Command(BaseCommand):
         if options["step"]:
             return
         if options["checkpoint"]:
-            report.newest_checkpoint = ledger.checkpoint_take() or report.newest_checkpoint
-        self.stdout.write(ledger.describe(report.newest_checkpoint))
+            report.newest_checkpoint = chain.checkpoint_take() or report.newest_checkpoint
+        self.stdout.write(chain.describe(report.newest_checkpoint))
 
     def verify_archives(self, path: Path) -> None:
         if not path.exists():

@@ -1,0 +1,1 @@
+"""What every layer may use: redaction, messages to the workers, named faults, log context."""

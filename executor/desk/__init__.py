@@ -1,0 +1,1 @@
+"""The demo world: the ticket desk (an external system stand-in) and the demo agent."""

@@ -1,0 +1,1 @@
+"""Who may do what and when a person must decide: authorization, approval rules, per-tool limits."""

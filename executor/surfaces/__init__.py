@@ -1,0 +1,1 @@
+"""What agents, operators and admins reach: the JSON API, MCP, metrics, admin."""

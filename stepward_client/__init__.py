@@ -1,0 +1,49 @@
+"""Stepward's Python client for agents (API.md): needs only httpx, imports nothing of the
+server. `from stepward_client import Stepward`; the whole client is the one file
+stepward_client/client.py, which an agent may also copy."""
+
+from __future__ import annotations
+
+from stepward_client.client import (
+    IN_PROGRESS,
+    SETTLED,
+    STATES,
+    Conflict,
+    ConnectionFailed,
+    Forbidden,
+    InvalidRequest,
+    NotFound,
+    RateLimited,
+    Report,
+    ReportEntry,
+    Run,
+    ServerError,
+    Step,
+    StepSpec,
+    Stepward,
+    StepwardError,
+    Unauthorized,
+    WaitTimeout,
+)
+
+__all__ = [
+    "IN_PROGRESS",
+    "SETTLED",
+    "STATES",
+    "Conflict",
+    "ConnectionFailed",
+    "Forbidden",
+    "InvalidRequest",
+    "NotFound",
+    "RateLimited",
+    "Report",
+    "ReportEntry",
+    "Run",
+    "ServerError",
+    "Step",
+    "StepSpec",
+    "Stepward",
+    "StepwardError",
+    "Unauthorized",
+    "WaitTimeout",
+]
