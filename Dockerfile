@@ -22,6 +22,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY console ./console
 COPY executor ./executor
+COPY stepward_client ./stepward_client
 COPY templates ./templates
 COPY static ./static
 COPY manage.py ./
