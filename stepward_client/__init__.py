@@ -4,46 +4,7 @@ stepward_client/client.py, which an agent may also copy."""
 
 from __future__ import annotations
 
-from stepward_client.client import (
-    IN_PROGRESS,
-    SETTLED,
-    STATES,
-    Conflict,
-    ConnectionFailed,
-    Forbidden,
-    InvalidRequest,
-    NotFound,
-    RateLimited,
-    Report,
-    ReportEntry,
-    Run,
-    ServerError,
-    Step,
-    StepSpec,
-    Stepward,
-    StepwardError,
-    Unauthorized,
-    WaitTimeout,
-)
+from stepward_client import client
+from stepward_client.client import *  # noqa: F403
 
-__all__ = [
-    "IN_PROGRESS",
-    "SETTLED",
-    "STATES",
-    "Conflict",
-    "ConnectionFailed",
-    "Forbidden",
-    "InvalidRequest",
-    "NotFound",
-    "RateLimited",
-    "Report",
-    "ReportEntry",
-    "Run",
-    "ServerError",
-    "Step",
-    "StepSpec",
-    "Stepward",
-    "StepwardError",
-    "Unauthorized",
-    "WaitTimeout",
-]
+__all__ = client.__all__
