@@ -324,10 +324,11 @@ def report(bench: SlowBench, meta: dict[str, Any], results: dict[str, Any]) -> N
 
     print(f"\n## Slow-tool drain: Stepward and DBOS Transact, {a.steps} steps\n")
     print(
-        "| latency | Stepward steps/s | service peak in flight | worker backends max / distinct "
-        "| duplicates | DBOS steps/s | DBOS peak in flight | Stepward / DBOS |"
+        "| latency | Stepward steps/s | workers' CPU a step | service peak in flight "
+        "| worker backends max / distinct | duplicates | DBOS steps/s | DBOS peak in flight "
+        "| Stepward / DBOS |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for ms in a.latencies:
         s = tp.get(results, str(ms), "stepward") or {}
         d = tp.get(results, str(ms), "dbos") or {}
@@ -340,6 +341,7 @@ def report(bench: SlowBench, meta: dict[str, Any], results: dict[str, Any]) -> N
         dup = duplicates(s.get("service", {}))
         print(
             f"| {ms:,} ms | {value(s, 'steps_per_second')} | "
+            f"{value(s, 'worker_cpu_ms_per_step')} ms | "
             f"{value(s, 'service', 'peak_in_flight')} | {backends} | "
             f"{tp.fig(dup) if dup is not None else err(s)} | {value(d, 'steps_per_second')} | "
             f"{value(d, 'service', 'peak_in_flight')} | "
@@ -376,7 +378,9 @@ def report(bench: SlowBench, meta: dict[str, Any], results: dict[str, Any]) -> N
         "defaults (timeout 10 s, no max_in_flight, no rate).",
         f"Stepward: {a.steps} steps posted by the batch endpoint, no worker running; then "
         f"`celery -A console worker -c {a.workers}` with the engine's defaults; steps/s = "
-        "completed / (last completed step's updated_at - first Attempt's claimed_at).",
+        "completed / (last completed step's updated_at - first Attempt's claimed_at). "
+        "Workers' CPU a step: user + system time of every process of the worker's group "
+        "(/proc), from the last look (every 50 ms) before any step was claimed to the end, / N.",
         "Worker backends: pg_stat_activity for the database, client backends whose "
         "application_name is the workers' (PGAPPNAME in their environment), sampled every "
         "~50 ms from before the worker starts until it is stopped: the most at once, and the "

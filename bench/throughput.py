@@ -506,7 +506,8 @@ def ingest(bench: Bench, api: Api) -> None:
 
 LEDGER_PROGRESS = """
 SELECT count(*) FILTER (WHERE state = 'completed'),
-       count(*) FILTER (WHERE state IN ('failed', 'dead', 'unknown', 'blocked', 'cancelled'))
+       count(*) FILTER (WHERE state IN ('failed', 'dead', 'unknown', 'blocked', 'cancelled')),
+       count(*) FILTER (WHERE state <> 'pending')
 FROM executor_step WHERE run_id = %s
 """
 LEDGER_SPAN = """
@@ -534,13 +535,19 @@ def stepward_drain(bench: Bench, api: Api, tool: str, n: int, workers: int) -> d
         bench.env(),
     )
     polls = 0
+    # The workers' CPU (user + system, every process of the group) at the last look before
+    # anything was claimed, and at the end: what the drain itself cost them.
+    cpu_before: float | None = None
     with started(worker), psycopg.connect(f"{PG}/{DB}", autocommit=True) as conn:
 
         def finished() -> bool:
-            nonlocal polls
+            nonlocal polls, cpu_before
             polls += 1
+            cpu = group_cpu_seconds(worker.popen.pid)
             row = conn.execute(LEDGER_PROGRESS, (run_id,)).fetchone()
             assert row is not None
+            if row[2] == 0:
+                cpu_before = cpu
             if row[1]:
                 raise RuntimeError(f"{row[1]} steps ended other than completed")
             return bool(row[0] >= n)
@@ -550,7 +557,9 @@ def stepward_drain(bench: Bench, api: Api, tool: str, n: int, workers: int) -> d
             timeout=bench.args.timeout + n / 5,
             procs=[worker],
             what=f"drain of {n} {tool} steps, C={workers}",
+            poll=0.05,
         )
+        cpu_after = group_cpu_seconds(worker.popen.pid)
         row = conn.execute(LEDGER_SPAN, {"run": run_id}).fetchone()
         assert row is not None
     commits = xact_commit(DB) - before - polls - 1
@@ -567,7 +576,24 @@ def stepward_drain(bench: Bench, api: Api, tool: str, n: int, workers: int) -> d
         "seconds": round(seconds, 3),
         "steps_per_second": round(done / seconds, 1) if seconds > 0 else None,
         "commits_per_step_all_processes": round(commits / n, 2),
+        "worker_cpu_ms_per_step": (
+            round((cpu_after - cpu_before) * 1000 / n, 2) if cpu_before is not None else None
+        ),
     }
+
+
+def group_cpu_seconds(group: int) -> float:
+    """User + system CPU of the live processes of a process group, from /proc."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:  # it ended meanwhile
+            continue
+        if int(fields[2]) == group:  # pgrp; utime and stime follow at 11 and 12
+            total += int(fields[11]) + int(fields[12])
+    return total / ticks
 
 
 def celery_peer(bench: Bench, n: int, workers: int) -> dict[str, Any]:
