@@ -514,6 +514,10 @@ EXECUTOR_CHECKPOINT_EXPORT = os.environ.get("EXECUTOR_CHECKPOINT_EXPORT", "")
 # deletes them. 0 (the default) keeps everything forever.
 EXECUTOR_RETENTION_DAYS = float(os.environ.get("EXECUTOR_RETENTION_DAYS", "0"))
 EXECUTOR_ARCHIVE_DIR = os.environ.get("EXECUTOR_ARCHIVE_DIR", str(VAR_DIR / "archive"))
+# A run with nothing left to do (no step on its way, awaiting approval or waiting for a
+# person) and made more than this many seconds ago is closed by the sweeper; a step posted
+# into it opens it again.
+EXECUTOR_CLOSE_RUNS_AFTER = float(os.environ.get("EXECUTOR_CLOSE_RUNS_AFTER", "300"))
 # A due step untouched this long is assumed to have lost its message and is resent.
 EXECUTOR_REDISPATCH_AFTER = float(os.environ.get("EXECUTOR_REDISPATCH_AFTER", "10"))
 CELERY_BEAT_SCHEDULE = {

@@ -31,7 +31,7 @@ from executor.engine.common import (
     request_evidence,
 )
 from executor.ledger import bulk, transitions
-from executor.ledger.records import Attempt, Effect, Phase, Run, RunStatus, Step
+from executor.ledger.records import TAKES_WORK, Attempt, Effect, Phase, Run, RunStatus, Step
 from executor.ledger.records import Tool as ToolRow
 from executor.ledger.states import State
 from executor.policy import authorization, tool_limits
@@ -160,6 +160,7 @@ def fair_statement(
         list(full),
         limit * CANDIDATES_PER_LIMIT,
         RunStatus.OPEN,
+        RunStatus.CLOSED,
         limit,
     ]
     return _fair_sql(light), params
@@ -224,7 +225,7 @@ def _fair_sql(light: bool) -> str:
         " ORDER BY c.not_before, c.position LIMIT %s) d"
         # The run's status by its key: one lookup per run found, never a read of every
         # open run to join them.
-        f" WHERE (SELECT r.status FROM {run} r WHERE r.id = due_runs.run_id) = %s"
+        f" WHERE (SELECT r.status FROM {run} r WHERE r.id = due_runs.run_id) IN (%s, %s)"
         # By its key too: the version, not the state, says the row is still as ranked
         # (an index on state would offer the planner a scan of every pending entry).
         " ) ranked ON ranked.id = s.id AND s.version = ranked.version"
@@ -364,7 +365,7 @@ def claim(
                 )
                 batch.outcomes[step.pk] = State.CANCELLED
             elif (step.not_before is not None and step.not_before > now) or (
-                step.run.status != RunStatus.OPEN
+                step.run.status not in TAKES_WORK
             ):
                 # Not due yet, or a paused run: its steps wait; a reviewer's resume wakes them.
                 batch.outcomes[step.pk] = Outcome.SKIPPED

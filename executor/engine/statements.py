@@ -60,6 +60,7 @@ def submit_in_one_statement(claim: Claim, *, now: datetime) -> tuple[bool, bool]
         "fence": claim.fence,
         "now": now,
         "open": str(RunStatus.OPEN),
+        "closed": str(RunStatus.CLOSED),
         "submitting": str(Phase.SUBMITTING),
         "evidence": evidence,
         "attempt": attempt.pk,

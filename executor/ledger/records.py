@@ -374,7 +374,7 @@ class StepQuerySet(models.QuerySet["Step"]):
         return self.filter(Q(not_before__isnull=True) | Q(not_before__lte=now), state=State.PENDING)
 
     def of_open_runs(self) -> StepQuerySet:
-        return self.filter(run__status=RunStatus.OPEN)
+        return self.filter(run__status__in=TAKES_WORK)
 
     def leases_expired(self, now: datetime) -> StepQuerySet:
         """Steps a worker held whose lease ran out: recovery's work (DESIGN.md §7)."""
@@ -399,8 +399,15 @@ class RunStatus(models.TextChoices):
     """What `executor/ledger/runs.py` moves a run between (its table says which action does)."""
 
     OPEN = "open"
+    # Nothing left to do (no step unfinished); a step posted opens it again.
+    CLOSED = "closed"
     PAUSED = "paused"
     CANCELLED = "cancelled"
+
+
+# The runs whose steps may run: a closed run is an open one with nothing to do, and a step
+# that is due in it all the same (posted as it was closed, replayed by a reviewer) runs.
+TAKES_WORK: tuple[RunStatus, ...] = (RunStatus.OPEN, RunStatus.CLOSED)
 
 
 class RunAction(models.TextChoices):
@@ -409,6 +416,8 @@ class RunAction(models.TextChoices):
     PAUSED = "paused"
     RESUMED = "resumed"
     CANCELLED = "cancelled"
+    CLOSED = "closed"
+    REOPENED = "reopened"
     BUDGET_EXTENDED = "budget_extended"
 
 

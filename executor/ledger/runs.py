@@ -1,18 +1,25 @@
 """The only code that changes `Run.status`, and the only writer of RunEvents.
 
-A run is `open` (its steps may run), `paused` (a budget ran out or its deadline passed; a
-person extends the budget and resumes it) or `cancelled` (for good: its pending work is
-cancelled, nothing resumes it). Every move is one conditional UPDATE on the run's current
-status that must change a row; the RunEvent that records it is written only when it did, in
-the same transaction. What else a move implies (cancelling the run's steps, dispatching its
-due steps again) belongs to the service that asks for the move.
+A run is `open` (its steps may run), `closed` (nothing left to do: no step on its way,
+awaiting approval or waiting for a person; a step posted opens it again), `paused` (a budget
+ran out or its deadline passed; a person extends the budget and resumes it) or `cancelled`
+(for good: its pending work is cancelled, nothing resumes it). Every move is one conditional
+UPDATE on the run's current status that must change a row; the RunEvent that records it is
+written only when it did, in the same transaction. What else a move implies (cancelling the
+run's steps, dispatching its due steps again) belongs to the service that asks for the move.
 
-| action            | from           | to        | function          |
-|-------------------|----------------|-----------|-------------------|
-| paused            | open           | paused    | `pause`           |
-| resumed           | paused         | open      | `resume`          |
-| cancelled         | open, paused   | cancelled | `cancel`          |
-| budget_extended   | (no move)      |           | `budget_extended` |
+| action            | from                 | to        | function          |
+|-------------------|----------------------|-----------|-------------------|
+| closed            | open                 | closed    | `close_finished`  |
+| reopened          | closed               | open      | `reopen`          |
+| paused            | open, closed         | paused    | `pause`           |
+| resumed           | paused               | open      | `resume`          |
+| cancelled         | open, closed, paused | cancelled | `cancel`          |
+| budget_extended   | (no move)            |           | `budget_extended` |
+
+A closed run takes work as an open one does (`TAKES_WORK`): a step posted into it as the
+sweeper closed it, or replayed in it by a reviewer, runs all the same, and the sweeper opens
+the run again (`reopen_busy`).
 """
 
 from __future__ import annotations
@@ -21,11 +28,12 @@ from datetime import datetime
 from typing import Any
 
 from django.db import transaction
-from django.db.models import F
+from django.db.models import Exists, F, OuterRef
 from django.utils import timezone
 
-from executor.ledger.records import Run, RunAction, RunEvent, RunStatus
+from executor.ledger.records import Run, RunAction, RunEvent, RunStatus, Step
 from executor.ledger.seals import run_seal
+from executor.ledger.states import UNFINISHED
 from executor.ledger.transitions import event_hash
 
 
@@ -34,7 +42,7 @@ def pause(run: Run, *, reason: str, actor: str = "policy", now: datetime | None 
     return _move(
         run,
         RunAction.PAUSED,
-        source=(RunStatus.OPEN,),
+        source=(RunStatus.OPEN, RunStatus.CLOSED),
         target=RunStatus.PAUSED,
         actor=actor,
         reason=reason,
@@ -62,12 +70,77 @@ def cancel(run: Run, *, actor: str, reason: str, now: datetime | None = None) ->
     return _move(
         run,
         RunAction.CANCELLED,
-        source=(RunStatus.OPEN, RunStatus.PAUSED),
+        source=(RunStatus.OPEN, RunStatus.CLOSED, RunStatus.PAUSED),
         target=RunStatus.CANCELLED,
         actor=actor,
         reason=reason,
         now=now,
         pause_reason="",
+    )
+
+
+def reopen(run: Run, *, actor: str, reason: str, now: datetime | None = None) -> bool:
+    """closed → open; False (and no event) if the run was not closed."""
+    return _move(
+        run,
+        RunAction.REOPENED,
+        source=(RunStatus.CLOSED,),
+        target=RunStatus.OPEN,
+        actor=actor,
+        reason=reason,
+        now=now,
+        pause_reason="",
+    )
+
+
+def _unfinished_step() -> Exists:
+    return Exists(Step.objects.filter(run=OuterRef("pk"), state__in=UNFINISHED))
+
+
+def close_finished(*, older_than: datetime, limit: int, actor: str) -> int:
+    """open → closed for up to `limit` runs made before `older_than` that have no unfinished
+    step (each a probe of the step(run, state) index); returns how many were closed. The
+    UPDATE checks again, so a step posted since the look keeps its run open; one committed
+    as the UPDATE runs may still see it closed, and `reopen_busy` opens it again."""
+    found = list(
+        Run.objects.filter(status=RunStatus.OPEN, created_at__lt=older_than)
+        .exclude(_unfinished_step())
+        .order_by("updated_at")
+        .values_list("pk", flat=True)[:limit]
+    )
+    closed = 0
+    for pk in found:
+        closed += _move(
+            Run(pk=pk, version=0),
+            RunAction.CLOSED,
+            source=(RunStatus.OPEN,),
+            target=RunStatus.CLOSED,
+            actor=actor,
+            reason="nothing left to do",
+            now=None,
+            pause_reason="",
+            also=~_unfinished_step(),
+        )
+    return closed
+
+
+def reopen_busy(*, since: datetime, limit: int, actor: str) -> int:
+    """closed → open for up to `limit` closed runs with a step that became unfinished since
+    `since` (a step committed as its run was closed, a reviewer's replay): found from the
+    steps' side, in the step(state, state_since) index, so that the look costs what changed
+    lately, not every run ever closed nor every step in progress. Returns how many were
+    opened."""
+    found = list(
+        Step.objects.filter(
+            state__in=UNFINISHED, state_since__gte=since, run__status=RunStatus.CLOSED
+        )
+        .order_by()
+        .values_list("run_id", flat=True)
+        .distinct()[:limit]
+    )
+    return sum(
+        reopen(Run(pk=pk, version=0), actor=actor, reason="a step of the run is unfinished")
+        for pk in found
     )
 
 
@@ -117,11 +190,14 @@ def _move(
     reason: str,
     now: datetime | None,
     pause_reason: str,
+    also: Any = None,  # one more condition on the row (an expression)
 ) -> bool:
     now = now or timezone.now()
     with transaction.atomic():
         moved = (
-            Run.objects.filter(pk=run.pk, status__in=source).update(
+            Run.objects.filter(
+                *([also] if also is not None else []), pk=run.pk, status__in=source
+            ).update(
                 status=target,
                 pause_reason=pause_reason,
                 version=F("version") + 1,

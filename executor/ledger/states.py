@@ -79,6 +79,9 @@ IN_PROGRESS: frozenset[State] = IN_FLIGHT | {S.PLANNED}
 SETTLED: frozenset[State] = frozenset(State) - IN_PROGRESS
 # A person must decide (DESIGN.md §12).
 NEEDS_REVIEW: frozenset[State] = frozenset({S.UNKNOWN, S.DEAD, S.BLOCKED})
+# The run has work left: a step on its way, awaiting approval, or waiting for a person. A run
+# with none is `closed` by the sweeper (executor/ledger/runs.py).
+UNFINISHED: frozenset[State] = IN_PROGRESS | NEEDS_REVIEW
 # What the inbox lists: the above, and planned steps awaiting approval.
 INBOX: frozenset[State] = NEEDS_REVIEW | {S.PLANNED}
 # The effect happened and is confirmed.

@@ -22,6 +22,7 @@ from executor.contract.tool import ApprovalPolicy
 from executor.contract.tool import Tool as ToolContract
 from executor.ledger import runs
 from executor.ledger.records import (
+    TAKES_WORK,
     Approval,
     Rule,
     RuleAction,
@@ -521,7 +522,7 @@ def decide(step: Step, tool: ToolContract, facts: Facts, *, now: datetime) -> De
     run = step.run
     if run.status == RunStatus.CANCELLED:
         return Decision(Verdict.CANCEL, "the run was cancelled")
-    if run.status != RunStatus.OPEN:
+    if run.status not in TAKES_WORK:
         return Decision(Verdict.PAUSE, run.pause_reason or f"the run is {run.status}")
     agent = run.agent
     user = agent.user
@@ -584,7 +585,7 @@ def budget_take_calls(run: Run, count: int, *, now: datetime) -> int:
 
 def call_room(count: int, *, now: datetime) -> Q:
     """The runs whose budget has room for `count` more calls at `now`."""
-    room = Q(status=RunStatus.OPEN)
+    room = Q(status__in=TAKES_WORK)
     room &= Q(max_calls__isnull=True) | Q(used_calls__lte=F("max_calls") - count)
     room &= Q(max_cost__isnull=True) | Q(used_cost__lt=F("max_cost"))
     room &= Q(deadline__isnull=True) | Q(deadline__gt=now)
@@ -593,9 +594,10 @@ def call_room(count: int, *, now: datetime) -> Q:
 
 # `call_room(1, now=…)` as SQL over a run's columns, for a statement that takes one call
 # together with other writes (the engine's `submitting` commit on PostgreSQL). Parameters:
-# %(open)s, the open status; %(now)s, the time. A test holds the two to the same answers.
+# %(open)s and %(closed)s, the statuses that take work; %(now)s, the time. A test holds the
+# two to the same answers.
 ONE_CALL_ROOM_SQL = (
-    "status = %(open)s"
+    "status IN (%(open)s, %(closed)s)"
     " AND (max_calls IS NULL OR used_calls <= max_calls - 1)"
     " AND (max_cost IS NULL OR used_cost < max_cost)"
     " AND (deadline IS NULL OR deadline > %(now)s)"
@@ -613,7 +615,7 @@ def budget_exhaustion(run: Run, *, now: datetime) -> str:
 
 
 def _exhaustion(fresh: Run, *, now: datetime) -> str:
-    if fresh.status != RunStatus.OPEN:
+    if fresh.status not in TAKES_WORK:
         return fresh.pause_reason or f"the run is {fresh.status}"
     return budget_shortfall(fresh, now=now)
 

@@ -13,7 +13,7 @@ from django.utils import timezone
 from executor.common import dispatch
 from executor.contract.tool import FailureClass, find_tool, get_tool
 from executor.contract.tool import Tool as ToolContract
-from executor.ledger import transitions
+from executor.ledger import runs, transitions
 from executor.ledger.records import (
     Agent,
     Run,
@@ -21,7 +21,7 @@ from executor.ledger.records import (
     Step,
     call_hash,
 )
-from executor.ledger.states import DEPENDENCY_DEAD_ENDS, State
+from executor.ledger.states import DEPENDENCY_DEAD_ENDS, UNFINISHED, State
 from executor.policy import authorization
 from executor.services.base import Conflict, Invalid, NotPermitted, ServiceError, agent_actor
 
@@ -199,6 +199,9 @@ def _steps_post_once(
     with transitions.for_insert_many():
         transitions.insert_many(new, now=now)
         dispatch.execute_many([step.pk for step, _ in new if step.state == State.PENDING])
+    if run.status == RunStatus.CLOSED and any(step.state in UNFINISHED for step, _ in new):
+        # After the steps' commit: a run the sweeper closes meanwhile is opened again by it.
+        runs.reopen(run, actor=actor, reason="a step was posted", now=now)
     return steps, created
 
 

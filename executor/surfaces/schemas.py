@@ -44,7 +44,7 @@ StateName = Literal[
 ]
 assert set(get_args(StateName)) == set(State.values), "StateName must list every State"
 
-RunStatusName = Literal["open", "paused", "cancelled"]
+RunStatusName = Literal["open", "closed", "paused", "cancelled"]
 assert set(get_args(RunStatusName)) == set(RunStatus.values), "RunStatusName must list every status"
 
 

@@ -19,8 +19,8 @@ from django.utils import timezone
 from executor import engine
 from executor.common import dispatch
 from executor.engine import progress, recovery
-from executor.ledger import chain, counters, retention
-from executor.ledger.records import Run, RunStatus, Step, SweeperLease
+from executor.ledger import chain, counters, retention, runs
+from executor.ledger.records import TAKES_WORK, Run, RunStatus, Step, SweeperLease
 from executor.ledger.states import State
 from executor.notifications import outbox
 from executor.policy import authorization
@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 
 LEASE_NAME = "sweeper"
 BATCH = 500
+# How far back a sweep looks for steps that became unfinished in a closed run: many sweeps'
+# worth, so that a sweeper stopped for a while still finds them.
+REOPEN_LOOKS_BACK = timedelta(minutes=10)
 
 
 @dataclass
@@ -39,6 +42,8 @@ class SweepReport:
     redispatched: int = 0
     promoted: int = 0
     runs_paused: int = 0
+    runs_closed: int = 0
+    runs_reopened: int = 0
     cancelled: int = 0
     checkpoints: int = 0
     notified: int = 0  # messages sent (docs/notifications.md)
@@ -174,8 +179,19 @@ def sweep_once(*, owner: str) -> SweepReport:
         if authorization.run_pause(run, reason="the run's deadline passed", now=now):
             report.runs_paused += 1
 
+    # Runs with nothing left to do leave the open set; a closed run given work again (a step
+    # committed as it was closed, a reviewer's replay) is opened again.
+    report.runs_reopened += runs.reopen_busy(
+        since=now - REOPEN_LOOKS_BACK, limit=BATCH, actor=actor
+    )
+    report.runs_closed += runs.close_finished(
+        older_than=now - timedelta(seconds=settings.EXECUTOR_CLOSE_RUNS_AFTER),
+        limit=BATCH,
+        actor=actor,
+    )
+
     waiting_runs = (
-        Step.objects.filter(state=State.APPROVED, run__status=RunStatus.OPEN)
+        Step.objects.filter(state=State.APPROVED, run__status__in=TAKES_WORK)
         .values_list("run_id", flat=True)
         .distinct()[:BATCH]
     )

@@ -198,7 +198,7 @@ def test_the_one_call_room_sql_answers_as_the_budget_check_does(agent: Agent) ->
     room = authorization.ONE_CALL_ROOM_SQL
     sql = f"SELECT EXISTS (SELECT 1 FROM {table} WHERE id = %(run)s AND {room})"
     checked = 0
-    for status in (RunStatus.OPEN, RunStatus.PAUSED, RunStatus.CANCELLED):
+    for status in RunStatus:
         for max_calls, used_calls in ((None, 7), (3, 2), (3, 3), (3, 4)):
             for max_cost, used_cost in ((None, "9"), ("2.5", "2.4999"), ("2.5", "2.5"), ("1", "3")):
                 for deadline in (None, now + timedelta(seconds=1), now, now - timedelta(seconds=1)):
@@ -219,6 +219,7 @@ def test_the_one_call_room_sql_answers_as_the_budget_check_does(agent: Agent) ->
                             {
                                 "run": Run._meta.pk.get_db_prep_value(run.pk, connection),
                                 "open": str(RunStatus.OPEN),
+                                "closed": str(RunStatus.CLOSED),
                                 "now": now,
                             },
                         )
@@ -232,8 +233,9 @@ def test_the_one_call_room_sql_answers_as_the_budget_check_does(agent: Agent) ->
                         deadline,
                     )
                     checked += expected
-    # Room only when open, with calls (2 of 4 cases), cost (2 of 4) and time (2 of 4) left.
-    assert checked == 1 * 2 * 2 * 2
+    # Room only when open or closed (a closed run takes work), with calls (2 of 4 cases),
+    # cost (2 of 4) and time (2 of 4) left.
+    assert checked == 2 * 2 * 2 * 2
 
 
 class CostlyWriteTool(tooling.ScriptedTool):

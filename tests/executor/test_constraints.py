@@ -267,9 +267,6 @@ def test_a_pause_reason_on_a_run_that_is_not_paused_is_refused(run: Run, status:
 def test_a_run_status_outside_the_choices_is_refused(run: Run) -> None:
     with violates("run_status_valid"):
         Run.objects.filter(pk=run.pk).update(status="finished")
-    # `closed` was reserved and never set; it is no status at all now (executor/ledger/runs.py).
-    with violates("run_status_valid"):
-        Run.objects.filter(pk=run.pk).update(status="closed")
 
 
 def test_a_negative_used_cost_is_refused(run: Run) -> None:
