@@ -1,6 +1,6 @@
 """The async client the worker's calls are sent with (executor/tools/outbound.py): httpx's
-transport without httpcore's pool, one connection per request, closed with its response, even
-when the server would keep it open."""
+client on a transport of h11 and asyncio's streams, one connection per request, closed with its
+response, even when the server would keep it open; httpx's errors."""
 
 from __future__ import annotations
 
