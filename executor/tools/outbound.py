@@ -210,6 +210,12 @@ class _Wire:
                 raise httpx.ReadError(
                     str(error) or type(error).__name__, request=self._request
                 ) from error
+            if not data and self._h11.their_state is h11.SEND_RESPONSE:
+                # Closed before a byte of the answer (a server that dropped the connection):
+                # httpcore's own words, which reviewers and logs have been reading.
+                raise httpx.RemoteProtocolError(
+                    "Server disconnected without sending a response.", request=self._request
+                )
             self._h11.receive_data(data)  # b"": the server closed its end
 
     async def aclose(self) -> None:

@@ -150,6 +150,42 @@ def test_a_server_that_never_answers_is_a_read_timeout() -> None:
         run_apart(scenario())
 
 
+def test_a_server_that_hangs_up_without_an_answer_is_a_remote_protocol_error() -> None:
+    async def scenario() -> None:
+        async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read(1 << 16)
+            writer.close()
+
+        server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            await outbound.async_client().post(f"http://127.0.0.1:{port}/x", json={})
+        finally:
+            server.close()
+
+    with pytest.raises(httpx.RemoteProtocolError, match="Server disconnected without sending"):
+        run_apart(scenario())
+
+
+def test_an_answer_cut_short_is_a_remote_protocol_error() -> None:
+    async def scenario() -> None:
+        async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read(1 << 16)
+            writer.write(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"partial"')
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(cut, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            await outbound.async_client().post(f"http://127.0.0.1:{port}/x", json={})
+        finally:
+            server.close()
+
+    with pytest.raises(httpx.RemoteProtocolError):
+        run_apart(scenario())
+
+
 def _certificate(tmp_path: Path) -> tuple[Path, Path]:
     """A self-signed certificate for localhost (openssl, as Debian ships it)."""
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
