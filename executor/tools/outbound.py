@@ -139,7 +139,7 @@ class _Wire:
     """One request's connection: h11's state machine on an asyncio stream, httpx's errors."""
 
     def __init__(self, request: httpx.Request, read: float | None, write: float | None) -> None:
-        self._request = request
+        self.request = request
         self._read = read
         self._write = write
         self._h11 = h11.Connection(h11.CLIENT)
@@ -162,11 +162,11 @@ class _Wire:
                 )
         except TimeoutError:
             raise httpx.ConnectTimeout(
-                f"no connection within {timeout} s", request=self._request
+                f"no connection within {timeout} s", request=self.request
             ) from None
         except (OSError, ssl.SSLError) as error:
             raise httpx.ConnectError(
-                str(error) or type(error).__name__, request=self._request
+                str(error) or type(error).__name__, request=self.request
             ) from error
 
     async def send(self, event: Any) -> None:
@@ -174,7 +174,7 @@ class _Wire:
         try:
             data = self._h11.send(event)
         except h11.LocalProtocolError as error:
-            raise httpx.LocalProtocolError(str(error), request=self._request) from error
+            raise httpx.LocalProtocolError(str(error), request=self.request) from error
         if not data:
             return
         try:
@@ -183,11 +183,11 @@ class _Wire:
                 await self._writer.drain()
         except TimeoutError:
             raise httpx.WriteTimeout(
-                f"not written within {self._write} s", request=self._request
+                f"not written within {self._write} s", request=self.request
             ) from None
         except OSError as error:
             raise httpx.WriteError(
-                str(error) or type(error).__name__, request=self._request
+                str(error) or type(error).__name__, request=self.request
             ) from error
 
     async def next_event(self) -> Any:
@@ -196,7 +196,7 @@ class _Wire:
             try:
                 event = self._h11.next_event()
             except h11.RemoteProtocolError as error:
-                raise httpx.RemoteProtocolError(str(error), request=self._request) from error
+                raise httpx.RemoteProtocolError(str(error), request=self.request) from error
             if event is not h11.NEED_DATA:
                 return event
             try:
@@ -204,17 +204,17 @@ class _Wire:
                     data = await self._reader.read(READ_BYTES)
             except TimeoutError:
                 raise httpx.ReadTimeout(
-                    f"no answer within {self._read} s", request=self._request
+                    f"no answer within {self._read} s", request=self.request
                 ) from None
             except OSError as error:
                 raise httpx.ReadError(
-                    str(error) or type(error).__name__, request=self._request
+                    str(error) or type(error).__name__, request=self.request
                 ) from error
             if not data and self._h11.their_state is h11.SEND_RESPONSE:
                 # Closed before a byte of the answer (a server that dropped the connection):
                 # httpcore's own words, which reviewers and logs have been reading.
                 raise httpx.RemoteProtocolError(
-                    "Server disconnected without sending a response.", request=self._request
+                    "Server disconnected without sending a response.", request=self.request
                 )
             self._h11.receive_data(data)  # b"": the server closed its end
 
@@ -243,7 +243,7 @@ class _Body(httpx.AsyncByteStream):
                 else:
                     raise httpx.RemoteProtocolError(
                         "the server closed the connection before the answer's end",
-                        request=self._wire._request,
+                        request=self._wire.request,
                     )
         finally:
             await self._wire.aclose()
