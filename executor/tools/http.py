@@ -3,12 +3,14 @@ or refunds, described in TOML (`manage.py load_tools`) or admin, never in code.
 
 Each HttpToolSpec row becomes a Tool subclass, registered in every process and refreshed
 when the rows change (`refresh`, throttled by EXECUTOR_TOOL_REFRESH_SECONDS). A call sends
-the step's JSON input as the body (GET and DELETE: as the query string), the spec's headers
-with `${NAME}` read from the environment at that moment (never stored, never shown: every
-value read is scrubbed from what the tool returns), `X-Stepward-Operation` (the step's
-operation id) and `X-Stepward-Fence`, and with `idempotency = "header"` the operation id in
-the idempotency header too, which makes a repeat safe. Answers map to failure classes as
-API.md says.
+the step's JSON input as the body (GET and DELETE: as the query string, after the URL's
+own), the spec's headers with `${NAME}` read from the environment at that moment (never
+stored, never shown: every value read is scrubbed from what the tool returns),
+`X-Stepward-Operation` (the step's operation id) and `X-Stepward-Fence`, and with
+`idempotency = "header"` the operation id in the idempotency header too, which makes a
+repeat safe. Answers map to failure classes as API.md says. A worker's calls go through
+`outbound.exchange` on its event loop; `invoke` (a thread's) through httpx's client: the
+same request either way.
 """
 
 from __future__ import annotations
@@ -235,8 +237,13 @@ class HttpTool(Tool):
         """`invoke` on the worker's event loop (DESIGN.md §16): the same request and answer."""
         method, url, secrets, body = self._call_request(call)
         try:
-            response = await outbound.async_client().request(
-                method, url, timeout=self.spec.timeout_seconds, follow_redirects=False, **body
+            response = await outbound.exchange(
+                method,
+                url,
+                headers=body["headers"],
+                params=body.get("params"),
+                json_body=body.get("json"),
+                timeout=self.spec.timeout_seconds,
             )
         except httpx.HTTPError as error:
             raise _send_failure(error, secrets) from None
@@ -251,14 +258,17 @@ class HttpTool(Tool):
             headers[spec.idempotency_header] = call.idempotency_key
         body: dict[str, Any] = {"headers": headers}
         if spec.method in ("GET", "DELETE"):
-            body["params"] = {
-                k: v for k, v in call.input.items() if isinstance(v, str | int | float)
-            }
+            # After the URL's own query, which httpx's `params` would replace.
+            url = str(
+                outbound.parsed_url(url).copy_merge_params(
+                    {k: v for k, v in call.input.items() if isinstance(v, str | int | float)}
+                )
+            )
         else:
             body["json"] = call.input
         return spec.method, url, secrets, body
 
-    def _answer(self, response: httpx.Response, secrets: set[str]) -> ToolResult:
+    def _answer(self, response: outbound.Answered, secrets: set[str]) -> ToolResult:
         status = response.status_code
         if 200 <= status < 300:
             answer = _json_or_text(response)
@@ -346,7 +356,7 @@ class HttpTool(Tool):
         except httpx.HTTPError as error:
             raise _send_failure(error, secrets) from None
 
-    def _refusal(self, response: httpx.Response, secrets: set[str]) -> ToolError:
+    def _refusal(self, response: outbound.Answered, secrets: set[str]) -> ToolError:
         status = response.status_code
         text = scrub(response.text[:EVIDENCE_BODY_CHARS], secrets)
         # A 5xx may come after it acted; `idempotency = "header"` makes a repeat safe.
@@ -371,7 +381,7 @@ def _send_failure(error: httpx.HTTPError, secrets: set[str]) -> ToolError:
     )
 
 
-def _json_or_text(response: httpx.Response) -> Any:
+def _json_or_text(response: outbound.Answered) -> Any:
     try:
         return response.json()
     except ValueError:

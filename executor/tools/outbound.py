@@ -7,21 +7,26 @@ call capped a worker at a few dozen calls a second. Connections are still never 
 a kept-alive connection the server had closed would fail only after the request was
 written, and make a request that never arrived look ambiguous (DESIGN.md §8). So the async
 client has no pool either (`OneConnectionEach`): each request opens its connection and
-closes it with its response, on h11 and asyncio's own streams.
+closes it with its response, on h11 and asyncio's own streams. The HTTP tools' calls on the
+worker's loop go through `exchange`, the same wire without httpx's client, request and
+response objects (half the CPU of a call, which is what a drain of slow tools spends).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import functools
 import ipaddress
+import json
 import ssl
 import threading
-from collections.abc import AsyncIterator
+import zlib
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from http.cookiejar import CookieJar, DefaultCookiePolicy
-from typing import Any
+from typing import Any, Protocol
 
 import h11
 import httpx
@@ -135,10 +140,156 @@ class OneConnectionEach(httpx.AsyncBaseTransport):
         )
 
 
+# --- one request, its answer read whole: the HTTP tools' calls on the worker's loop ----------
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """An answer read whole: its status, headers and body, as the HTTP tools read them."""
+
+    status_code: int
+    headers: httpx.Headers
+    content: bytes
+
+    @property
+    def text(self) -> str:
+        """The body as text, in the charset its Content-Type names (else UTF-8), as httpx
+        decodes it: bytes that are not of it are replaced, never an error."""
+        charset = self.headers.get("content-type", "").partition("charset=")[2]
+        charset = charset.split(";")[0].strip().strip("'\"") or "utf-8"
+        try:
+            return self.content.decode(charset, errors="replace")
+        except LookupError:  # a charset Python does not know
+            return self.content.decode("utf-8", errors="replace")
+
+    def json(self) -> Any:
+        """The body as JSON (ValueError if it is not)."""
+        return json.loads(self.content)
+
+
+async def exchange(
+    method: str,
+    url: str,
+    *,
+    headers: Mapping[str, str],
+    params: Mapping[str, Any] | None = None,
+    json_body: Any = None,
+    timeout: float,
+    context: ssl.SSLContext | None = None,
+) -> Reply:
+    """Sends one request on a connection of its own and reads its answer whole: what
+    `async_client().request(...)` does for an HTTP tool, with the same URL parser, headers,
+    JSON body, timeouts (`timeout` for the connect, each write and each read) and errors,
+    but without httpx's client, request and response objects, which cost half the CPU of a
+    call (measured: 0.72-0.81 ms a request through the client on OneConnectionEach,
+    0.35-0.4 ms on the wire alone). No redirect is followed and no cookie kept, as the
+    client is set; credentials in the URL are sent as Basic auth, as httpx sends them.
+    `json_body` None sends no body."""
+    parsed = parsed_url(url)
+    if params is not None:  # as httpx's: they replace the URL's query
+        parsed = parsed.copy_with(params=params)
+    if parsed.scheme not in DEFAULT_PORTS:
+        raise httpx.UnsupportedProtocol(
+            f"Request URL has an unsupported protocol '{parsed.scheme}://'."
+            if parsed.scheme
+            else "Request URL is missing an 'http://' or 'https://' protocol."
+        )
+    sent = {name.lower(): (name, value) for name, value in _DEFAULT_HEADERS}
+    sent["host"] = ("Host", parsed.netloc.decode("ascii"))
+    sent.update((name.lower(), (name, value)) for name, value in headers.items())
+    if parsed.username or parsed.password:  # credentials in the URL: Basic auth, as httpx does
+        pair = f"{parsed.username}:{parsed.password}".encode()
+        sent["authorization"] = ("Authorization", f"Basic {base64.b64encode(pair).decode()}")
+    body = b""
+    if json_body is not None:
+        body = json.dumps(
+            json_body, ensure_ascii=False, separators=(",", ":"), allow_nan=False
+        ).encode()
+        sent.setdefault("content-type", ("Content-Type", "application/json"))
+        sent["content-length"] = ("Content-Length", str(len(body)))
+    elif method in ("POST", "PUT", "PATCH"):
+        sent["content-length"] = ("Content-Length", "0")
+    wire = _Wire(None, timeout, timeout)
+    await wire.connect(
+        parsed.raw_host.decode("ascii"),
+        parsed.port or DEFAULT_PORTS[parsed.scheme],
+        (context or _default_ssl_context()) if parsed.scheme == "https" else None,
+        timeout,
+    )
+    try:
+        await wire.send(
+            h11.Request(
+                method=method,
+                target=parsed.raw_path,
+                headers=[(name.encode(), value.encode()) for name, value in sent.values()],
+            )
+        )
+        if body:
+            await wire.send(h11.Data(data=body))
+        await wire.send(h11.EndOfMessage())
+        head = await wire.next_event()
+        while isinstance(head, h11.InformationalResponse):
+            head = await wire.next_event()
+        if not isinstance(head, h11.Response):
+            raise httpx.RemoteProtocolError("the server closed the connection without an answer")
+        chunks = []
+        while True:
+            event = await wire.next_event()
+            if isinstance(event, h11.Data):
+                chunks.append(bytes(event.data))
+            elif isinstance(event, h11.EndOfMessage):
+                break
+            else:
+                raise httpx.RemoteProtocolError(
+                    "the server closed the connection before the answer's end"
+                )
+    finally:
+        await wire.aclose()
+    answered = httpx.Headers(head.headers.raw_items())
+    return Reply(head.status_code, answered, _decoded(b"".join(chunks), answered))
+
+
+# What httpx's client sends unless a tool's headers say otherwise (Connection: the
+# connection is closed with its answer, and the server is told so).
+_DEFAULT_HEADERS = (
+    ("Accept", "*/*"),
+    ("Accept-Encoding", "gzip, deflate"),
+    ("Connection", "close"),
+    ("User-Agent", f"python-httpx/{httpx.__version__}"),
+)
+
+
+@functools.cache
+def _default_ssl_context() -> ssl.SSLContext:
+    return httpx.create_ssl_context()
+
+
+def _decoded(content: bytes, headers: httpx.Headers) -> bytes:
+    """The body without its Content-Encoding (gzip and deflate, the ones asked for; the
+    last one applied is undone first)."""
+    codings = [c.strip().lower() for c in headers.get("content-encoding", "").split(",")]
+    for coding in reversed([c for c in codings if c and c != "identity"]):
+        try:
+            if coding in ("gzip", "x-gzip"):
+                content = zlib.decompress(content, wbits=zlib.MAX_WBITS | 16)
+            elif coding == "deflate":
+                try:
+                    content = zlib.decompress(content)
+                except zlib.error:  # raw deflate, without zlib's header, as some servers send
+                    content = zlib.decompress(content, wbits=-zlib.MAX_WBITS)
+            else:
+                raise httpx.DecodingError(f"the answer's Content-Encoding {coding!r} is unknown")
+        except zlib.error as error:
+            raise httpx.DecodingError(f"the answer's {coding} body is broken: {error}") from None
+    return content
+
+
 class _Wire:
     """One request's connection: h11's state machine on an asyncio stream, httpx's errors."""
 
-    def __init__(self, request: httpx.Request, read: float | None, write: float | None) -> None:
+    def __init__(
+        self, request: httpx.Request | None, read: float | None, write: float | None
+    ) -> None:
         self.request = request
         self._read = read
         self._write = write
@@ -269,8 +420,20 @@ def _is_address(host: str) -> bool:
 # --- what an HTTP error answer means (API.md's table, DESIGN.md §8) --------------------------
 
 
+class Answered(Protocol):
+    """What the HTTP tools read of an answer: httpx's Response, or exchange's Reply."""
+
+    @property
+    def status_code(self) -> int: ...
+    @property
+    def headers(self) -> httpx.Headers: ...
+    @property
+    def text(self) -> str: ...
+    def json(self) -> Any: ...
+
+
 def failure_of(
-    response: httpx.Response,
+    response: Answered,
     message: str,
     *,
     evidence: dict[str, Any] | None = None,
@@ -301,7 +464,7 @@ def failure_of(
     return ToolError(FailureClass.INVALID_INPUT, message, evidence=evidence)
 
 
-def retry_after(response: httpx.Response) -> float | None:
+def retry_after(response: Answered) -> float | None:
     """The seconds a Retry-After header asks for, or None (absent, or an HTTP date)."""
     try:
         return max(0.0, float(response.headers.get("Retry-After", "")))
@@ -359,6 +522,14 @@ def _parse_allowed(entries: tuple[str, ...]) -> tuple[AllowedHost, ...]:
     return tuple(parsed)
 
 
+@functools.lru_cache(maxsize=1024)
+def parsed_url(url: str) -> httpx.URL:
+    """`url` read by httpx's parser (InvalidURL if it cannot be), kept for the next call to
+    the same URL: a tool's calls mostly go to a handful, and the parse is a fifth of a call's
+    CPU. An httpx.URL never changes, so a kept one is safe to share."""
+    return httpx.URL(url)
+
+
 def allowed_hosts() -> tuple[AllowedHost, ...]:
     """The parsed EXECUTOR_HTTP_ALLOWED_HOSTS (ImproperlyConfigured if an entry is not
     `host`, `host:port`, `[v6]` or `[v6]:port`)."""
@@ -373,7 +544,7 @@ def refusal(url: str) -> str | None:
     allowing a site's `127.0.0.1` does not open every port of the machine.
     """
     try:
-        parsed = httpx.URL(url)
+        parsed = parsed_url(url)
         host = parsed.raw_host.decode("ascii")
     except (httpx.InvalidURL, ValueError, TypeError, UnicodeError):
         return "the url is not a valid URL"
