@@ -317,10 +317,11 @@ def verify_ledger(
     """
     changed_after: datetime | None = None
     if since is not None:
-        start = Checkpoint.objects.filter(seq=since).first()
-        if start is None:
+        # Its time only: a checkpoint's listing is the biggest thing verification reads.
+        taken_at = Checkpoint.objects.filter(seq=since).values_list("taken_at", flat=True).first()
+        if taken_at is None:
             raise NoSuchCheckpoint(f"there is no checkpoint {since}")
-        changed_after = start.taken_at - CHECKPOINT_OVERLAP
+        changed_after = taken_at - CHECKPOINT_OVERLAP
     step_ids = None if changed_after is None else changed_steps(changed_after)
     report = verify_chain(step_ids=step_ids, chunk_size=chunk_size)
     report.findings += run_findings(changed_after=changed_after, chunk_size=chunk_size)
@@ -702,7 +703,7 @@ def verify_checkpoints(*, since: int | None = None) -> ChainReport:
     first_seq = since or 1
     if since is not None:
         checkpoints = checkpoints.filter(seq__gte=since)
-        previous = Checkpoint.objects.filter(seq=since - 1).first()
+        previous = Checkpoint.objects.only(*_LINK_FIELDS).filter(seq=since - 1).first()
     expected_prev: str | None = previous.hash if previous else ""
     pruned = pruned_through()
     if previous is None and pruned is not None and first_seq <= pruned[0]:
@@ -711,7 +712,16 @@ def verify_checkpoints(*, since: int | None = None) -> ChainReport:
         first_seq = pruned[0] + 1
         checkpoints = checkpoints.filter(seq__gte=first_seq)
         expected_prev = pruned[1]
-    for checkpoint in checkpoints.iterator(chunk_size=1):
+    # Their numbers first, then each one alone: an iterator's generator would hold the one
+    # before while the next is read, and a checkpoint's listing is what verification holds.
+    for seq in list(checkpoints.values_list("seq", flat=True)):
+        checkpoint = Checkpoint.objects.filter(seq=seq).first()
+        if checkpoint is None:
+            pruned = pruned_through()
+            if pruned is not None and seq <= pruned[0]:  # pruned meanwhile, by the sweeper
+                previous, first_seq, expected_prev = None, pruned[0] + 1, pruned[1]
+            # Else deleted meanwhile: the next one's number and link say so.
+            continue
         report.checkpoints += 1
         subject = f"checkpoint {checkpoint.seq}"
         expected_seq = previous.seq + 1 if previous else first_seq
@@ -724,9 +734,16 @@ def verify_checkpoints(*, since: int | None = None) -> ChainReport:
         if event_hash(checkpoint.content()) != checkpoint.hash:
             report.findings.append(_anchor(subject, "its content does not match its hash"))
         report.findings += _listing_findings(checkpoint, archived)
-        previous = checkpoint
+        # What the next one links to, without this one's listing, which is let go before the
+        # next is read (the loop's name would hold it meanwhile).
+        previous = Checkpoint(**{name: getattr(checkpoint, name) for name in _LINK_FIELDS})
+        del checkpoint
     report.newest_checkpoint = previous
     return report
+
+
+# What a checkpoint's successor and `describe` read of it.
+_LINK_FIELDS = ("pk", "seq", "taken_at", "hash")
 
 
 def _listing_findings(checkpoint: Checkpoint, archived: dict[str, int]) -> list[Finding]:

@@ -4,9 +4,11 @@ runs, and verification that holds one chunk in memory whatever the ledger's size
 
 from __future__ import annotations
 
+import gc
 import gzip
 import json
 import tracemalloc
+import weakref
 from collections.abc import Iterator
 from datetime import timedelta
 from io import StringIO
@@ -16,6 +18,7 @@ from typing import Any
 import pytest
 from django.core.management import CommandError, call_command
 from django.db import connection
+from django.db.models.signals import post_init
 from django.utils import timezone
 
 from executor import engine
@@ -377,6 +380,40 @@ def test_verification_memory_does_not_grow_with_the_ledger(
     # Ten times the steps, the checkpoints and the runs: the peak is that of one chunk, one
     # checkpoint, and a few bytes a run (their numbering), not ten times the first.
     assert large_peak < 2 * small_peak, (small_peak, large_peak)
+
+
+def test_verification_holds_one_checkpoints_listing_at_a_time(
+    agent: Agent, workspace: Workspace
+) -> None:
+    """A checkpoint lists every step changed since the one before: at a thousand steps a
+    second, tens of thousands, the biggest thing verification reads. They are read one at a
+    time: neither the one before (what the next links to) nor the one `--since` names (its
+    time) is kept whole while the next is read."""
+    for name in ("a", "b", "c"):
+        completed(agent, new_run(agent, workspace, name), 5)
+        assert len(chain.checkpoint_take().heads) == 5
+    first = Checkpoint.objects.order_by("seq").values_list("seq", flat=True).first()
+    listings: weakref.WeakSet[Checkpoint] = weakref.WeakSet()
+    others_alive_at_each_read: list[int] = []
+
+    def read(sender: Any, instance: Checkpoint, **kwargs: Any) -> None:
+        if instance.pk is not None and instance.heads:  # one read with its listing
+            gc.collect()
+            others_alive_at_each_read.append(len(listings))
+            listings.add(instance)
+
+    post_init.connect(read, sender=Checkpoint)
+    try:
+        whole = chain.verify_ledger()
+        since = chain.verify_ledger(since=first)
+    finally:
+        post_init.disconnect(read, sender=Checkpoint)
+
+    assert whole.ok, whole.findings[:3]
+    assert since.ok, since.findings[:3]
+    assert whole.checkpoints == since.checkpoints == 3
+    # Each listing read once by each verification, and none while another was held.
+    assert others_alive_at_each_read == [0] * 6
 
 
 @pytest.mark.postgres
