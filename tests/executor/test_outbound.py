@@ -363,7 +363,7 @@ def test_exchange_closes_each_connection_with_its_answer() -> None:
 def test_exchange_undoes_gzip_and_reads_text_in_the_answers_charset() -> None:
     packed = gzip.compress('{"name": "Müller"}'.encode("latin-1"))
     recorder = Recorder(
-        b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; charset=latin-1\r\n"
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; Charset=latin-1\r\n"
         b"Content-Encoding: gzip\r\nContent-Length: %d\r\n\r\n%s" % (len(packed), packed)
     )
 
