@@ -17,9 +17,10 @@ run's steps, dispatching its due steps again) belongs to the service that asks f
 | cancelled         | open, closed, paused | cancelled | `cancel`          |
 | budget_extended   | (no move)            |           | `budget_extended` |
 
-A closed run takes work as an open one does (`TAKES_WORK`): a step posted into it as the
-sweeper closed it, or replayed in it by a reviewer, runs all the same, and the sweeper opens
-the run again (`reopen_busy`).
+A step posted into a closed run, replayed in it or asked for as a compensation opens it
+again at once (`reopen`, by the service that made the work). A closed run takes work as an
+open one does (`TAKES_WORK`): a step committed into it as the sweeper closed it runs all the
+same, and the sweeper opens the run again (`reopen_busy`).
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def close_finished(*, older_than: datetime, limit: int, actor: str) -> int:
 
 def reopen_busy(*, since: datetime, limit: int, actor: str) -> int:
     """closed → open for up to `limit` closed runs with a step that became unfinished since
-    `since` (a step committed as its run was closed, a reviewer's replay): found from the
+    `since` (a step committed as its run was closed): found from the
     steps' side, in the step(state, state_since) index, so that the look costs what changed
     lately, not every run ever closed nor every step in progress. Returns how many were
     opened."""

@@ -17,12 +17,13 @@ from django.utils import timezone
 from executor.common import dispatch
 from executor.contract.tool import LookupOutcome, get_tool
 from executor.engine import progress, recovery
-from executor.ledger import seals, transitions
+from executor.ledger import runs, seals, transitions
 from executor.ledger.records import (
     Approval,
     Effect,
     Event,
     Idempotency,
+    RunStatus,
     Signoff,
     Step,
     call_hash,
@@ -528,6 +529,7 @@ def deadletter_replay(*, step: Step, user: User, version: int, reason: str) -> S
             },
             data={"replayed_from": step.state, **approved},
         )
+        _reopen_run(step, actor=user_actor(user), reason="a step was replayed", now=now)
         dispatch.execute(step.pk)
     return step
 
@@ -631,7 +633,16 @@ def compensation_request(*, step: Step, user: User, version: int, reason: str) -
         input_summary=f"undo {step.key}: " + comp_tool.summarize(comp_input),
         compensates=step,
     )
+    actor = user_actor(user)
     transitions.insert(
-        compensation, actor=user_actor(user), reason=f"compensation requested: {reason}", now=now
+        compensation, actor=actor, reason=f"compensation requested: {reason}", now=now
     )
+    _reopen_run(step, actor=actor, reason="a compensation was requested", now=now)
     return compensation
+
+
+def _reopen_run(step: Step, *, actor: str, reason: str, now: datetime) -> None:
+    """A person gave a closed run work again (a replay, a compensation): it is opened now,
+    not at the sweeper's next look. `reopen` checks the status again in its UPDATE."""
+    if step.run.status == RunStatus.CLOSED:
+        runs.reopen(step.run, actor=actor, reason=reason, now=now)

@@ -14,11 +14,12 @@ from executor.common import dispatch
 from executor.contract.tool import FailureClass
 from executor.ledger import runs
 from executor.ledger.records import Agent, Run, RunAction, RunEvent, RunStatus
-from executor.ledger.states import State
+from executor.ledger.states import UNFINISHED, State
+from executor.services.reviews import compensation_request, deadletter_replay
 from executor.worker import sweeper
 from tests.support import tooling
 from tests.support.api import ApiClient
-from tests.support.tooling import LookupTool, post, reload
+from tests.support.tooling import LookupTool, WriteTool, post, reload
 
 pytestmark = pytest.mark.django_db
 
@@ -94,6 +95,32 @@ def test_a_step_committed_into_a_closed_run_runs_and_the_sweeper_opens_the_run(
     assert (report.runs_reopened, report.runs_closed) == (1, 0)
     assert status(run) == RunStatus.OPEN
     assert reload(again).state == State.PENDING
+
+
+@pytest.mark.parametrize("decision", ["compensation", "replay"])
+def test_a_reviewer_giving_a_closed_run_work_opens_it_at_once(
+    agent: Agent, run: Run, reviewer: Any, decision: str
+) -> None:
+    if decision == "compensation":
+        step = post(agent, run, "test.undoable")
+        assert engine.process(step.pk, worker="w1") == State.COMPLETED
+    else:
+        step = post(agent, run, "test.write")
+        WriteTool.will(FailureClass.INVALID_INPUT)  # a failure that proves no effect
+        assert engine.process(step.pk, worker="w1") == State.FAILED
+    sweep()
+    assert status(run) == RunStatus.CLOSED
+
+    step = reload(step)
+    if decision == "compensation":
+        work = compensation_request(step=step, user=reviewer, version=step.version, reason="x")
+    else:
+        work = deadletter_replay(step=step, user=reviewer, version=step.version, reason="fixed")
+
+    assert reload(work).state in UNFINISHED  # the run has work
+    assert status(run) == RunStatus.OPEN  # now, not at the sweeper's next look
+    assert actions(run)[-1] == (RunAction.REOPENED, "user")
+    assert sweep().runs_closed == 0
 
 
 @pytest.mark.parametrize("waiting", ["unknown", "planned"])
