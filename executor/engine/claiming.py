@@ -77,9 +77,11 @@ def _due_steps(*, light: int, writes: int, now: datetime, full: Sequence[str] = 
     return rows
 
 
-# How many due steps of each run the PostgreSQL claim ranks: the limit times this, so that
-# claims made at the same moment by a few workers, each skipping the rows the others hold,
-# still find rows of their own in a run that has the only due work.
+# How many due steps the PostgreSQL claim ranks: the limit times this, shared among the runs
+# found with due work (each run's first `ceil(limit * 4 / runs)`), so that claims made at
+# the same moment by a few workers, each skipping the rows the others hold, still find rows
+# of their own in a run that has the only due work; and a hundred runs with a backlog each
+# cost a few index entries each, not their backlogs.
 CANDIDATES_PER_LIMIT = 4
 
 
@@ -153,12 +155,13 @@ def fair_statement(
         start,
         now,
         runs,
+        # How many due steps of each run to rank: the candidates shared among the runs found.
+        limit * CANDIDATES_PER_LIMIT,
         # Each open one's first due steps of the kind wanted.
         State.PENDING,
         now,
         list(LIGHT_EFFECTS),
         list(full),
-        limit * CANDIDATES_PER_LIMIT,
         RunStatus.OPEN,
         RunStatus.CLOSED,
         limit,
@@ -187,8 +190,11 @@ def _fair_sql(light: bool) -> str:
     run (a recursive CTE of index probes, each bounded by LIMIT 1), starting at a random run
     id and wrapping around, at most `runs` on each side of it: not a loop over every open
     run, and every run with due work comes first for some claims. Then, for each of those that is
-    open, its first due steps of the kind wanted (an index range scan each, LATERAL), ranked
-    within the run; the first `limit` by rank locked, skipping those another claim holds.
+    open, its first due steps of the kind wanted (an index range scan each, LATERAL, in the
+    due index's order, as many as the candidates shared among the runs found: a LIMIT the
+    planner cannot know, so it reads the index in order rather than a bitmap of the run's
+    whole backlog), ranked within the run; the first `limit` by rank locked, skipping those
+    another claim holds.
     """
     step, run, tool = Step._meta.db_table, Run._meta.db_table, ToolRow._meta.db_table
     kind = "= ANY(%s::text[])" if light else "<> ALL(%s::text[])"
@@ -212,6 +218,8 @@ def _fair_sql(light: bool) -> str:
         "), due_runs AS ("
         " SELECT run_id FROM after_start WHERE run_id IS NOT NULL"
         " UNION ALL SELECT run_id FROM before_start WHERE run_id IS NOT NULL"
+        "), per_run (k) AS ("
+        " SELECT CEIL(%s::numeric / GREATEST(count(*), 1))::integer FROM due_runs"
         ")"
         f" SELECT s.id FROM {step} s JOIN ("
         " SELECT d.id, d.version, d.not_before, d.position, ROW_NUMBER() OVER"
@@ -222,7 +230,7 @@ def _fair_sql(light: bool) -> str:
         " AND (c.not_before IS NULL OR c.not_before <= %s)"
         f" AND c.tool IN (SELECT name FROM {tool} WHERE effect {kind})"
         " AND c.tool <> ALL(%s::text[])"
-        " ORDER BY c.not_before, c.position LIMIT %s) d"
+        " ORDER BY c.not_before, c.position LIMIT (SELECT k FROM per_run)) d"
         # The run's status by its key: one lookup per run found, never a read of every
         # open run to join them.
         f" WHERE (SELECT r.status FROM {run} r WHERE r.id = due_runs.run_id) IN (%s, %s)"

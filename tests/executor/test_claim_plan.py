@@ -74,3 +74,43 @@ def test_the_claim_takes_from_every_run_with_due_work_first(burst: list[Run]) ->
     for step in taken:
         by_run.setdefault(step.run_id, []).append(step.position)
     assert by_run == {each.pk: [1, 2] for each in burst}
+
+
+BACKLOG_RUNS = 40
+
+
+@pytest.fixture
+def backlog(agent: Agent) -> list[Run]:
+    """BACKLOG_RUNS runs with 500 due steps each, the statistics fresh (analyzed): the
+    planner knows each run's backlog, and a claim must still read a few steps of each."""
+    tools_sync()
+    runs = [run_create(agent=agent, name=f"backlog {n}")[0] for n in range(BACKLOG_RUNS)]
+    for each in runs:
+        grown.grow_steps(each, 500, state=State.PENDING)
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE executor_step")
+    return runs
+
+
+def test_the_claim_reads_a_few_steps_of_each_run_whatever_its_backlog(
+    backlog: list[Run],
+) -> None:
+    """Found in bench/scale.py at 511k steps (489k due in about a hundred runs): each claim
+    ranked up to 400 steps of every run found, through a bitmap of each run's whole backlog,
+    1.2-1.8 s a claim of 100. The candidates are now shared among the runs found."""
+    limit = 10
+    sql, params = claiming.fair_statement(light=True, limit=limit, now=timezone.now())
+
+    tree = grown.plan(sql, params, run=True)
+
+    shown = grown.describe(tree)
+    steps = [n for n in grown.nodes(tree) if n.get("Relation Name") == "executor_step"]
+    assert {n["Node Type"] for n in steps} <= {"Index Scan", "Index Only Scan"}, shown
+    # One probe a run on each side of the start, the limit's candidates ranked, each taken
+    # by its key: not a run's backlog (500) times the runs.
+    most = 2 * BACKLOG_RUNS + 2 * claiming.CANDIDATES_PER_LIMIT * limit + limit
+    assert grown.rows_read(tree)["executor_step"] <= most, shown
+    with transaction.atomic():
+        taken = claiming._due_steps(light=limit, writes=0, now=timezone.now())
+    assert len(taken) == limit
+    assert len({step.run_id for step in taken}) == limit
