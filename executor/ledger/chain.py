@@ -814,8 +814,9 @@ def event_hashes(pairs: Sequence[tuple[uuid.UUID, int]]) -> dict[tuple[str, int]
     )
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
+        digest = Event._meta.get_field("hash")
         return {
-            (str(uuid.UUID(str(step_id))), int(seq)): hash_
+            (str(uuid.UUID(str(step_id))), int(seq)): digest.from_db_value(hash_, None, connection)
             for step_id, seq, hash_ in cursor.fetchall()
         }
 

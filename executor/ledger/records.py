@@ -60,6 +60,39 @@ def canonical_hash(value: Any) -> str:
 _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+class DigestField(models.CharField):
+    """A SHA-256 digest: its 64 hex characters in Python, its 32 bytes (`bytea`) on
+    PostgreSQL, the hex text elsewhere (SQLite). The chain's digests are three a move and one
+    a step, so on PostgreSQL this saves about 100 bytes an event (issue 25).
+
+    An empty value (a chain's first `prev_hash`) is empty bytes. On PostgreSQL a value that
+    is not hex is refused (ValueError) before it reaches the database; the ledger writes only
+    digests it computed.
+    """
+
+    description = "A SHA-256 digest (hex in Python, bytes on PostgreSQL)"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("max_length", 64)
+        super().__init__(*args, **kwargs)
+
+    def db_type(self, connection: Any) -> str | None:
+        if connection.vendor == "postgresql":
+            return "bytea"
+        return super().db_type(connection)
+
+    def get_db_prep_value(self, value: Any, connection: Any, prepared: bool = False) -> Any:
+        value = super().get_db_prep_value(value, connection, prepared)
+        if connection.vendor == "postgresql" and isinstance(value, str):
+            return bytes.fromhex(value)
+        return value
+
+    def from_db_value(self, value: Any, expression: Any, connection: Any) -> Any:
+        if isinstance(value, bytes | memoryview):
+            return bytes(value).hex()
+        return value
+
+
 def call_hash(tool: str, input: Any) -> str:
     """What identifies a call: its tool and its input (a step's `input_hash`)."""
     return canonical_hash({"tool": tool, "input": input})
@@ -509,7 +542,7 @@ class Step(models.Model):
     state = models.CharField(max_length=20, choices=State.choices, default=State.PLANNED)
     version = models.PositiveIntegerField(default=1)
     # Hash of the newest Event: the head of this step's chain (see Event).
-    head_hash = models.CharField(max_length=64, blank=True)
+    head_hash = DigestField(blank=True)
 
     lease_owner = models.CharField(max_length=200, blank=True)
     lease_expires_at = models.DateTimeField(null=True, blank=True)
@@ -694,11 +727,11 @@ class Event(models.Model):
     reason = models.TextField(blank=True)
     data = models.JSONField(default=dict, blank=True)
     created_at = models.DateTimeField()
-    prev_hash = models.CharField(max_length=64, blank=True)
-    hash = models.CharField(max_length=64)
+    prev_hash = DigestField(blank=True)
+    hash = DigestField()
     # A digest of what the step was right after this move (its run, key, tool, input hash,
     # state, external id and result): the hash covers it, so an edit of the step row shows.
-    step_digest = models.CharField(max_length=64, blank=True)
+    step_digest = DigestField(blank=True)
     # EVENT_FORMAT when it was written.
     format = models.PositiveSmallIntegerField(default=EVENT_FORMAT)
 

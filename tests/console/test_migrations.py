@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from datetime import timedelta
+from io import StringIO
 
 import pytest
+from django.core.management import call_command
 from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
 from django.utils import timezone
@@ -13,7 +16,7 @@ from django.utils import timezone
 from executor.engine import recovery
 from executor.ledger.records import Agent, Event, Run, Step
 from executor.ledger.states import State
-from tests.support.console import age, reload, unknown
+from tests.support.console import age, completed, reload, unknown
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -50,3 +53,39 @@ def test_state_since_of_existing_steps_is_when_their_state_was_entered(
     after = Step.objects.get(pk=waiting.pk)
     assert after.state_since == entered
     assert after.updated_at == looked_at
+
+
+def test_the_chains_digests_keep_their_values_through_0022_both_ways(
+    agent: Agent, run: Run
+) -> None:
+    steps = [completed(agent, run, key="done"), unknown(agent, run, key="maybe")]
+    events = list(Event.objects.filter(step__in=steps).values_list("pk", *DIGESTS))
+    heads = list(Step.objects.filter(pk__in=[s.pk for s in steps]).values_list("pk", "head_hash"))
+    assert len(events) > len(steps)
+    assert all(len(e[2]) == 64 for e in events)
+
+    migrate("0021_run_closed")  # back: the hex text they were
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT id, {', '.join(DIGESTS)} FROM executor_event")
+        assert sorted(cursor.fetchall()) == sorted(events)
+        cursor.execute("SELECT id, head_hash FROM executor_step")
+        assert {(uuid.UUID(str(pk)), head) for pk, head in cursor.fetchall()} == set(heads)
+
+    migrate("0022_digests_as_bytes")  # and forth: the same digests, 32 bytes on PostgreSQL
+    assert list(Event.objects.filter(step__in=steps).values_list("pk", *DIGESTS)) == events
+    assert set(
+        Step.objects.filter(pk__in=[s.pk for s in steps]).values_list("pk", "head_hash")
+    ) == set(heads)
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT max(octet_length(hash)), min(octet_length(hash)) FROM executor_event"
+            )
+            assert cursor.fetchone() == (32, 32)
+    out = StringIO()
+    call_command("verify_ledger", stdout=out)
+    assert out.getvalue().startswith("2 steps, ")
+    assert ", 0 broken" in out.getvalue()
+
+
+DIGESTS = ("prev_hash", "hash", "step_digest")

@@ -29,7 +29,7 @@ from executor.ledger.states import State
 from executor.ledger.transitions import event_hash
 from executor.services.posting import step_post
 from tests.support.api import AgentAuth, ApiClient
-from tests.support.factories import advance, step_in
+from tests.support.factories import advance, step_in, stored_digest
 
 EVENTS = Event._meta.db_table
 
@@ -297,7 +297,7 @@ def test_verify_ledger_catches_an_edited_event_rehashed_by_its_successors_link(
     edited.actor = "user:mallory"
     raw_sql(
         f"UPDATE {EVENTS} SET actor = %s, hash = %s WHERE id = %s",
-        [edited.actor, event_hash(edited.content()), edited.pk],
+        [edited.actor, stored_digest(event_hash(edited.content())), edited.pk],
     )
 
     lines, _ = failing_command("verify_ledger")
@@ -376,7 +376,8 @@ def test_verify_ledger_names_a_step_whose_state_was_changed_behind_its_chain(
 def test_verify_ledger_names_a_step_whose_head_hash_was_changed(agent: Agent, run: Run) -> None:
     [step] = post_steps(agent, run, 1)
     raw_sql(
-        f"UPDATE {Step._meta.db_table} SET head_hash = %s WHERE id = %s", ["0" * 64, step.pk.hex]
+        f"UPDATE {Step._meta.db_table} SET head_hash = %s WHERE id = %s",
+        [stored_digest("0" * 64), step.pk.hex],
     )
 
     lines, _ = failing_command("verify_ledger")

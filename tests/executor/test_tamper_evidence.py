@@ -43,6 +43,7 @@ from executor.services.runs import run_create, run_extend_budget
 from executor.services.tools import tool_policy_set
 from executor.worker import sweeper
 from tests.support import tooling
+from tests.support.factories import stored_digest
 
 pytestmark = pytest.mark.django_db
 
@@ -83,7 +84,7 @@ def cut_tail(step: Step) -> None:
     sql(
         f"UPDATE {STEPS} SET state = %s, version = %s, head_hash = %s, result = NULL, "
         "external_id = '', lease_owner = 'w1', lease_expires_at = %s WHERE id = %s",
-        [State.RUNNING, step.version - 1, running.hash, timezone.now(), step.pk.hex],
+        [State.RUNNING, step.version - 1, stored_digest(running.hash), timezone.now(), step.pk.hex],
     )
 
 

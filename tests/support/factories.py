@@ -7,6 +7,7 @@ from collections import deque
 from datetime import timedelta
 from typing import Any
 
+from django.db import connection
 from django.utils import timezone
 
 from executor.ledger import transitions
@@ -123,3 +124,9 @@ def chain_problems(step: Step) -> list[str]:
     if events and row.state != previous_state:
         problems.append(f"step is {row.state} but its last event ends at {previous_state}")
     return problems
+
+
+def stored_digest(value: str) -> Any:
+    """A digest (hex) as raw SQL must pass it for a DigestField's column: its bytes on
+    PostgreSQL, the hex itself elsewhere."""
+    return Event._meta.get_field("hash").get_db_prep_value(value, connection)

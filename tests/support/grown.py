@@ -46,8 +46,9 @@ def grow_steps(run: Run, count: int, *, state: State = State.COMPLETED, start: i
         cursor.execute(
             "INSERT INTO executor_event (seq, from_state, to_state, actor, reason, data,"
             " created_at, prev_hash, hash, run_id, step_id, format, step_digest)"
-            " SELECT 1, '', s.state, 'grown', '', '{}'::jsonb, now(), '', md5(s.id::text),"
-            " s.run_id, s.id, 3, '' FROM executor_step s WHERE s.run_id = %s AND s.position > %s",
+            " SELECT 1, '', s.state, 'grown', '', '{}'::jsonb, now(), '',"
+            " decode(md5(s.id::text) || md5(s.id::text), 'hex'), s.run_id, s.id, 3, ''"
+            " FROM executor_step s WHERE s.run_id = %s AND s.position > %s",
             [run.pk, start],
         )
 
