@@ -281,19 +281,22 @@ def _as_pks(ids: list[Any]) -> list[Any]:
 
 def _within_limits(
     rows: list[Step], *, now: datetime, limited: int | None = None
-) -> tuple[list[Step], set[str]]:
+) -> tuple[list[Step], set[str], datetime]:
     """`rows` less those of tools without room now (API.md "Slow tools"), counted under the
-    lock of each limited tool's row so that two claims never share one room; and the tools
-    whose steps were left (held back, still `pending`). Of the steps of limited tools, at
-    most `limited` are kept (what the claiming worker can send at once): a step claimed to
-    wait in a worker would take a room, or a rate's token, that another could use now."""
+    lock of each limited tool's row so that two claims never share one room; the tools
+    whose steps were left (held back, still `pending`); and the time to claim them at (the
+    rates' clock, read under those locks: later than `now` when the claim waited for them,
+    and a claim's attempts must not look older than the tokens they took). Of the steps of
+    limited tools, at most `limited` are kept (what the claiming worker can send at once): a
+    step claimed to wait in a worker would take a room, or a rate's token, that another
+    could use now."""
     limits = {
         step.tool_id: limit
         for step in rows
         if (limit := tool_limits.effective(step.tool)) is not None
     }
     if not limits:
-        return rows, set()
+        return rows, set(), now
     if limited is not None:
         capped: list[Step] = []
         for step in rows:
@@ -307,7 +310,7 @@ def _within_limits(
     for step in rows:
         if step.tool_id in limits:
             wanted[step.tool_id] = wanted.get(step.tool_id, 0) + 1
-    rooms = tool_limits.allot(wanted, limits, now=now)
+    rooms, counted_at = tool_limits.allot(wanted, limits, now=now)
     kept: list[Step] = []
     full: set[str] = set()
     for step in rows:
@@ -317,7 +320,7 @@ def _within_limits(
                 continue
             rooms[step.tool_id] -= 1
         kept.append(step)
-    return kept, full
+    return kept, full, counted_at
 
 
 @dataclass
@@ -364,7 +367,7 @@ def claim(
             for step in _due_steps(light=light, writes=writes, now=now, full=skip_tools)
             if step.pk not in named
         ]
-        rows, batch.full = _within_limits(rows, now=now, limited=limited)
+        rows, batch.full, now = _within_limits(rows, now=now, limited=limited)
         taken: list[Step] = []
         for step in rows:
             if step.run.status == RunStatus.CANCELLED:

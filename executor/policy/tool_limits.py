@@ -48,10 +48,14 @@ def effective(row: ToolRow) -> Limit | None:
     return Limit(in_flight, rate) if in_flight or rate else None
 
 
-def allot(wanted: dict[str, int], limits: dict[str, Limit], *, now: datetime) -> dict[str, int]:
-    """How many of `wanted` calls each limited tool may start now; the calls allotted are
-    taken from the tools' rates. Locks the tools' rows (in name order) until the claim's
-    transaction ends, so that two claims of one tool count one after the other.
+def allot(
+    wanted: dict[str, int], limits: dict[str, Limit], *, now: datetime
+) -> tuple[dict[str, int], datetime]:
+    """How many of `wanted` calls each limited tool may start now, and the buckets' clock
+    (the time they were counted at: the claim's attempts are claimed at it, so that their
+    times are the buckets' own); the calls allotted are taken from the tools' rates. Locks
+    the tools' rows (in name order) until the claim's transaction ends, so that two claims
+    of one tool count one after the other.
 
     `max_in_flight` counts the tool's steps leased now (a partial index holds only those).
     `rate` is a token bucket on the tool's row: `calls` tokens at most, refilled at
@@ -92,7 +96,7 @@ def allot(wanted: dict[str, int], limits: dict[str, Limit], *, now: datetime) ->
                 rate_tokens=tokens - room, rate_refilled_at=refilled
             )
         allotted[name] = max(0, room)
-    return allotted
+    return allotted, locked_at
 
 
 def _refilled(row: ToolRow, rate: Rate, *, now: datetime) -> float:

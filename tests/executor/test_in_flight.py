@@ -450,7 +450,7 @@ def test_a_rate_is_a_bucket_of_its_calls_refilled_at_the_rate(
     times = sorted(Attempt.objects.filter(step__in=steps).values_list("claimed_at", flat=True))
     assert len(times) == 12
     # "5/s": at most 5 at once, then one more each 0.2 s — in any stretch of the drain, at
-    # most 5 + 5 x its length in seconds (claim times are the bucket's own clock).
+    # most 5 + 5 x its length in seconds (an attempt is claimed at the bucket's own clock).
     assert_within_rate(times, 5, 1)
 
 
