@@ -327,8 +327,10 @@ def _authorized(
         not step.compensates_id
         and not tool.needs_approval(step.input)
         and any(
-            event.actor == "policy"
-            and isinstance(event.data, dict)
+            isinstance(event.data, dict)
+            # The policy's own move, or the post it approved as it was recorded (one Event
+            # that passed through approved).
+            and (event.actor == "policy" or "approved" in event.data.get("through", ()))
             and event.data.get("policy_version") == policy_version
             and event.created_at <= at
             for event in events

@@ -262,9 +262,10 @@ def _posted_history(
     actor: str,
     now: datetime,
 ) -> list[transitions.Posted]:
-    """The states a new step passes through as it is recorded, as separate moves would:
-    posted; approved by the policy (`policy_version`; None: a person must approve it); pending
-    once its dependencies are completed, or cancelled if one never will be."""
+    """The states a new step passes through as it is recorded, each allowed as a separate
+    move would be: posted; approved by the policy (`policy_version`; None: a person must
+    approve it); pending once its dependencies are completed, or cancelled if one never will
+    be. `insert_many` records them as one Event."""
     history = [transitions.Posted(State.PLANNED, actor, "posted by the agent")]
     if policy_version is None:
         return history

@@ -83,21 +83,18 @@ def test_batch_steps_have_the_same_history_as_single_posts(
             .values_list("from_state", "to_state", "actor")
         )
 
-    assert (
-        history("batched")
-        == history("single")
-        == [
-            ("", State.PLANNED, "agent:alice-bot"),
-            (State.PLANNED, State.APPROVED, "policy"),
-            (State.APPROVED, State.PENDING, "policy"),
-        ]
-    )
+    assert history("batched") == history("single") == [("", State.PENDING, "agent:alice-bot")]
     step = Step.objects.get(run=run, key="batched")
-    assert step.version == 3
-    # The policy's approval is the Event that records it (its version), not a row.
+    assert step.version == 1
+    # The policy's approval is the Event that records it (its version), not a row: the post,
+    # which passed through planned and approved as it was recorded.
     assert not step.approvals.exists()
-    approved = Event.objects.get(step=step, to_state=State.APPROVED)
-    assert approved.data == {"policy_version": get_tool("echo").policy_version()}
+    [posted] = Event.objects.filter(step=step)
+    assert posted.data == {
+        "policy_version": get_tool("echo").policy_version(),
+        "through": ["planned", "approved"],
+    }
+    assert posted.reason == "posted by the agent; the tool's policy needs no approval; approved"
 
 
 def test_the_same_batch_again_answers_the_same_steps_and_writes_nothing(
@@ -431,8 +428,8 @@ def test_a_post_outside_a_transaction_is_one_write_statement_and_no_begin(
     assert len(statements) == 4, "\n".join(statements)
     assert [s.split()[0] for s in statements] == ["SELECT"] * 3 + ["WITH"]
     step = Step.objects.get(run=run, key="counted")
-    assert (step.position, step.state, step.version) == (2, State.PENDING, 3)
-    assert Event.objects.filter(step=step).count() == 3
+    assert (step.position, step.state, step.version) == (2, State.PENDING, 1)
+    assert Event.objects.filter(step=step).count() == 1
     assert not Approval.objects.filter(step=step).exists()
 
 

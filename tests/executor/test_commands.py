@@ -64,6 +64,13 @@ def event_of(step: Step, seq: int) -> Event:
     return Event.objects.get(step=step, seq=seq)
 
 
+def claimed_and_released(step: Step) -> Step:
+    """A posted step's chain made three events long: its post (seq 1, to pending), a
+    worker's claim (seq 2) and its release back to pending for a retry (seq 3)."""
+    advance(step, State.RUNNING, actor="executor:test-worker")
+    return advance(step, State.PENDING, actor="executor:test-worker", reason="retry")
+
+
 # --- create_agent -------------------------------------------------------------------------
 
 
@@ -204,7 +211,8 @@ def test_verify_ledger_passes_on_a_ledger_written_through_the_services(
 
     lines = run_command("verify_ledger")
 
-    assert lines == ["3 steps, 9 events verified, 0 broken", "no checkpoint yet"]
+    # One Event a posted step: its post, policy approval and release to pending together.
+    assert lines == ["3 steps, 3 events verified, 0 broken", "no checkpoint yet"]
 
 
 def test_verify_ledger_passes_on_steps_in_every_state(run: Run) -> None:
@@ -218,6 +226,7 @@ def test_verify_ledger_passes_on_steps_in_every_state(run: Run) -> None:
 
 def test_verify_ledger_names_an_event_whose_content_was_edited(agent: Agent, run: Run) -> None:
     steps = post_steps(agent, run, 3)
+    claimed_and_released(steps[1])
     edited = event_of(steps[1], 2)
     raw_sql(f"UPDATE {EVENTS} SET reason = %s WHERE id = %s", ["nothing to see", edited.pk])
 
@@ -227,12 +236,13 @@ def test_verify_ledger_names_an_event_whose_content_was_edited(agent: Agent, run
     assert f"step {steps[1].pk}" in finding
     assert f"event {edited.pk} (seq 2)" in finding
     assert "edited" in finding
-    assert lines[-1] == "3 steps, 9 events verified, 1 broken"
+    assert lines[-1] == "3 steps, 5 events verified, 1 broken"
     assert "1 break" in message
 
 
 def test_verify_ledger_names_the_gap_left_by_a_deleted_middle_event(agent: Agent, run: Run) -> None:
     steps = post_steps(agent, run, 2)
+    claimed_and_released(steps[0])
     raw_sql(f"DELETE FROM {EVENTS} WHERE id = %s", [event_of(steps[0], 2).pk])
     after_gap = event_of(steps[0], 3)
 
@@ -242,11 +252,12 @@ def test_verify_ledger_names_the_gap_left_by_a_deleted_middle_event(agent: Agent
     assert f"step {steps[0].pk}" in finding
     assert f"event {after_gap.pk} (seq 3)" in finding
     assert "seq 2 is missing" in finding
-    assert lines[-1] == "2 steps, 5 events verified, 1 broken"
+    assert lines[-1] == "2 steps, 3 events verified, 1 broken"
 
 
 def test_verify_ledger_names_a_deleted_last_event(agent: Agent, run: Run) -> None:
     steps = post_steps(agent, run, 2)
+    claimed_and_released(steps[1])
     raw_sql(f"DELETE FROM {EVENTS} WHERE id = %s", [event_of(steps[1], 3).pk])
     new_last = event_of(steps[1], 2)
 
@@ -270,11 +281,11 @@ def test_verify_ledger_names_a_step_whose_events_were_all_deleted(agent: Agent, 
 
 def test_verify_ledger_names_a_forged_event_appended_to_a_chain(agent: Agent, run: Run) -> None:
     [step] = post_steps(agent, run, 1)
-    last = event_of(step, 3)
+    last = event_of(step, 1)  # its post, to pending
     forged = Event.objects.create(
         run=run,
         step=step,
-        seq=4,
+        seq=2,
         from_state="pending",
         to_state="completed",
         actor="executor:forger",
@@ -285,15 +296,16 @@ def test_verify_ledger_names_a_forged_event_appended_to_a_chain(agent: Agent, ru
 
     lines, _ = failing_command("verify_ledger")
 
-    assert f"step {step.pk}: event {forged.pk} (seq 4)" in lines[0]
-    assert "beyond the step's version 3" in lines[0]
+    assert f"step {step.pk}: event {forged.pk} (seq 2)" in lines[0]
+    assert "beyond the step's version 1" in lines[0]
 
 
 def test_verify_ledger_catches_an_edited_event_rehashed_by_its_successors_link(
     agent: Agent, run: Run
 ) -> None:
     [step] = post_steps(agent, run, 1)
-    edited = event_of(step, 2)
+    claimed_and_released(step)
+    edited = event_of(step, 1)  # its post, with the policy's approval
     edited.actor = "user:mallory"
     raw_sql(
         f"UPDATE {EVENTS} SET actor = %s, hash = %s WHERE id = %s",
@@ -302,7 +314,7 @@ def test_verify_ledger_catches_an_edited_event_rehashed_by_its_successors_link(
 
     lines, _ = failing_command("verify_ledger")
 
-    assert f"event {event_of(step, 3).pk} (seq 3)" in lines[0]
+    assert f"event {event_of(step, 2).pk} (seq 2)" in lines[0]
     assert "prev_hash" in lines[0]
 
 
@@ -311,6 +323,7 @@ def test_verify_ledger_reports_only_the_first_broken_link_of_each_step(
 ) -> None:
     steps = post_steps(agent, run, 3)
     for step in (steps[0], steps[2]):
+        claimed_and_released(step)  # three events, each of them broken below
         raw_sql(f"UPDATE {EVENTS} SET reason = %s WHERE step_id = %s", ["x", step.pk.hex])
 
     lines, _ = failing_command("verify_ledger")
@@ -319,7 +332,7 @@ def test_verify_ledger_reports_only_the_first_broken_link_of_each_step(
         [f"step {steps[0].pk}", f"step {steps[2].pk}"]
     )
     assert all("(seq 1)" in line for line in lines[:-1])
-    assert lines[-1] == "3 steps, 9 events verified, 2 broken"
+    assert lines[-1] == "3 steps, 7 events verified, 2 broken"
 
 
 def test_verify_ledger_step_option_checks_only_that_step(agent: Agent, run: Run) -> None:
@@ -329,8 +342,8 @@ def test_verify_ledger_step_option_checks_only_that_step(agent: Agent, run: Run)
     intact = run_command("verify_ledger", step=str(steps[1].pk))
     broken, _ = failing_command("verify_ledger", step=str(steps[0].pk))
 
-    assert intact == ["1 steps, 3 events verified, 0 broken"]
-    assert broken[-1] == "1 steps, 3 events verified, 1 broken"
+    assert intact == ["1 steps, 1 events verified, 0 broken"]
+    assert broken[-1] == "1 steps, 1 events verified, 1 broken"
 
 
 @pytest.mark.django_db
@@ -356,7 +369,7 @@ def test_verify_ledger_reads_each_chunk_in_two_queries(
     with django_assert_num_queries(4 * chunks + 1 + 2 + 1 + 5):
         lines = run_command("verify_ledger", chunk_size=chunk_size)
 
-    assert lines[0] == "7 steps, 21 events verified, 0 broken"
+    assert lines[0] == "7 steps, 7 events verified, 0 broken"
 
 
 def test_verify_ledger_names_a_step_whose_state_was_changed_behind_its_chain(
@@ -369,7 +382,7 @@ def test_verify_ledger_names_a_step_whose_state_was_changed_behind_its_chain(
 
     lines, _ = failing_command("verify_ledger")
 
-    assert f"step {step.pk}: event {event_of(step, 3).pk} (seq 3)" in lines[0]
+    assert f"step {step.pk}: event {event_of(step, 1).pk} (seq 1)" in lines[0]
     assert "the step is completed but its last event moved it to pending" in lines[0]
 
 
@@ -382,7 +395,7 @@ def test_verify_ledger_names_a_step_whose_head_hash_was_changed(agent: Agent, ru
 
     lines, _ = failing_command("verify_ledger")
 
-    assert f"step {step.pk}: event {event_of(step, 3).pk} (seq 3)" in lines[0]
+    assert f"step {step.pk}: event {event_of(step, 1).pk} (seq 1)" in lines[0]
     assert "head_hash" in lines[0]
 
 
@@ -405,4 +418,4 @@ def test_a_step_moved_by_a_worker_while_its_chunk_is_read_is_not_reported(
 
     assert moved
     assert report.ok
-    assert report.events == 4
+    assert report.events == 2  # its post, and the claim

@@ -62,11 +62,8 @@ def engine_env(agent: Agent) -> Iterator[None]:
         yield
 
 
-POSTED = [
-    ("", State.PLANNED, "agent:alice-bot"),
-    (State.PLANNED, State.APPROVED, "policy"),
-    (State.APPROVED, State.PENDING, "policy"),
-]
+# A post is one Event: planned and approved by the policy, passed through as it was recorded.
+POSTED = [("", State.PENDING, "agent:alice-bot")]
 
 
 # --- happy paths ----------------------------------------------------------------------------

@@ -103,7 +103,8 @@ def test_an_untouched_ledger_verifies_with_its_checkpoints(agent: Agent, run: Ru
     call_command("verify_ledger", "--checkpoint", stdout=out)
 
     lines = out.getvalue().splitlines()
-    assert lines[0] == "3 steps, 15 events verified, 0 broken"
+    # Each step's post (posted, approved by policy, pending: one Event), claim and completion.
+    assert lines[0] == "3 steps, 9 events verified, 0 broken"
     assert lines[1].startswith("newest checkpoint 2 at ")
     assert Checkpoint.objects.count() == 2
 
@@ -259,7 +260,7 @@ def test_a_checkpoint_lists_each_step_changed_since_the_one_before_once(
     checkpoint = chain.checkpoint_take()
 
     assert checkpoint is not None
-    assert [(head[0], head[2]) for head in checkpoint.heads] == [(str(later.pk), 3)]
+    assert [(head[0], head[2]) for head in checkpoint.heads] == [(str(later.pk), 1)]
     assert chain.checkpoint_take().heads == []  # type: ignore[union-attr]
     assert engine.process(later.pk, worker="w1") == State.COMPLETED
     assert [head[0] for head in chain.checkpoint_take().heads] == [str(later.pk)]  # type: ignore[union-attr]
@@ -342,11 +343,15 @@ def test_deleting_an_approval_is_caught(decided: dict[str, Any]) -> None:
 
 def test_editing_the_policys_approval_of_a_posted_step_is_caught(agent: Agent, run: Run) -> None:
     # The policy's approval has no row: the Event that approved the step records its version.
+    # That is the step's post, which passed through approved on its way to pending.
     [step, *_] = completed_steps(agent, run, 1)
     assert not Approval.objects.filter(step=step).exists()
+    posted = Event.objects.get(step=step, seq=1)
+    assert posted.data["through"] == [State.PLANNED, State.APPROVED]
+    assert posted.data["policy_version"] != "v0"
     sql(
-        f"UPDATE {EVENTS} SET data = %s WHERE step_id = %s AND to_state = 'approved'",
-        ['{"policy_version": "v0"}', step.pk.hex],
+        f"UPDATE {EVENTS} SET data = %s WHERE id = %s",
+        [json.dumps({**posted.data, "policy_version": "v0"}), posted.pk],
     )
 
     [finding] = verify()
@@ -574,7 +579,7 @@ def test_since_verifies_what_changed_after_that_checkpoint(agent: Agent, run: Ru
         call_command("verify_ledger", "--since", "2", stdout=out)
 
     lines = out.getvalue().splitlines()
-    assert lines[-1] == "1 steps, 5 events verified, 1 broken"
+    assert lines[-1] == "1 steps, 3 events verified, 1 broken"
     assert lines[0].startswith(f"step {later.pk}: event ")
     with pytest.raises(CommandError, match="--since: there is no checkpoint 7"):
         call_command("verify_ledger", "--since", "7", stdout=StringIO())

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 DESK_TOOLS = ("ticketdesk.create", "ticketdesk.create_keyed")
 TOOLS = (*DESK_TOOLS, "echo")
 # The states every step goes through before a worker takes it.
-POSTED = ["planned", "approved", "pending", "running"]
+POSTED = ["pending", "running"]
 # Long enough that the lease expires and the sweeper acts while the request still waits
 # inside the desk.
 IN_FLIGHT_LATENCY_MS = 8000
