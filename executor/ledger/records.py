@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
+import time
 import uuid
 from collections.abc import Iterable
 from datetime import datetime
@@ -91,6 +92,21 @@ class DigestField(models.CharField):
         if isinstance(value, bytes | memoryview):
             return bytes(value).hex()
         return value
+
+
+def time_ordered_uuid() -> uuid.UUID:
+    """A UUIDv7 (RFC 9562): 48 bits of Unix milliseconds, then 74 random bits.
+
+    A step's id: steps posted together sort together, so the steps' key takes new entries at
+    its right edge, and the rows a drain touches together (steps posted together, their
+    events and attempts) sit on neighbouring index pages rather than on a random page each:
+    the cache a million-step ledger needs. (It saves no bytes: an event after a step's first
+    still lands inside the (step, seq) index.) It still cannot be guessed from another.
+    """
+    value = (time.time_ns() // 1_000_000 & (1 << 48) - 1) << 80 | secrets.randbits(80)
+    value = value & ~(0xF << 76) | 0x7 << 76  # version 7
+    value = value & ~(0x3 << 62) | 0x2 << 62  # the RFC's variant
+    return uuid.UUID(int=value)
 
 
 def call_hash(tool: str, input: Any) -> str:
@@ -507,7 +523,7 @@ class Run(models.Model):
 
 
 class Step(models.Model):
-    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    id = models.UUIDField(primary_key=True, default=time_ordered_uuid, editable=False)
     # Indexed by (run, key) and (run, position), which lead with it: every index is one more
     # write for each step posted.
     run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="steps", db_index=False)
@@ -525,7 +541,7 @@ class Step(models.Model):
         db_index=False,
     )
     input = models.JSONField()
-    input_hash = models.CharField(max_length=64)
+    input_hash = DigestField()
     input_summary = models.TextField(blank=True)
     depends_on = models.JSONField(default=list, blank=True)
     operation_id = models.UUIDField(default=uuid.uuid4, editable=False)
@@ -662,7 +678,10 @@ OPEN_PHASES = (Phase.CLAIMED, Phase.SUBMITTING)
 
 
 class Attempt(models.Model):
-    step = models.ForeignKey(Step, on_delete=models.PROTECT, related_name="attempts")
+    # Not indexed alone: (step, number) and (step, fence), unique, lead with it.
+    step = models.ForeignKey(
+        Step, on_delete=models.PROTECT, related_name="attempts", db_index=False
+    )
     number = models.PositiveIntegerField()
     fence = models.PositiveIntegerField()
     worker = models.CharField(max_length=200)

@@ -89,3 +89,39 @@ def test_the_chains_digests_keep_their_values_through_0022_both_ways(
 
 
 DIGESTS = ("prev_hash", "hash", "step_digest")
+
+
+def test_the_steps_input_hashes_keep_their_values_through_0023_both_ways(
+    agent: Agent, run: Run
+) -> None:
+    steps = [completed(agent, run, key="done"), unknown(agent, run, key="maybe")]
+    hashes = set(Step.objects.values_list("pk", "input_hash"))
+    assert len(hashes) == 2
+    assert all(len(h) == 64 for _, h in hashes)
+
+    migrate("0022_digests_as_bytes")  # back: the hex text they were
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT id, input_hash FROM executor_step")
+        assert {(uuid.UUID(str(pk)), h) for pk, h in cursor.fetchall()} == hashes
+
+    migrate("0023_step_ids_in_time_order")  # and forth: the same hashes
+    assert set(Step.objects.values_list("pk", "input_hash")) == hashes
+    assert Step.objects.filter(pk=steps[0].pk, input_hash=steps[0].input_hash).exists()
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT min(octet_length(input_hash)) FROM executor_step")
+            assert cursor.fetchone() == (32,)
+            # An attempt's step is indexed only by the indexes that lead with it.
+            cursor.execute(
+                "SELECT indexname FROM pg_indexes WHERE tablename = 'executor_attempt' "
+                "AND indexdef LIKE '%%(step_id%%'"
+            )
+            assert sorted(row[0] for row in cursor.fetchall()) == [
+                "attempt_one_open_per_step",
+                "attempt_unique_fence",
+                "attempt_unique_number",
+            ]
+    assert {step.pk.version for step in steps} == {7}
+    out = StringIO()
+    call_command("verify_ledger", stdout=out)
+    assert ", 0 broken" in out.getvalue()
