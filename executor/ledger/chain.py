@@ -47,7 +47,12 @@ from executor.ledger.records import (
     call_hash,
 )
 from executor.ledger.seals import attempt_digest, digest_of_approval, run_seal
-from executor.ledger.transitions import digest_after, event_hash
+from executor.ledger.transitions import (
+    _CANONICAL_WITH_STR,
+    digest_after,
+    event_hash,
+    ledger_mac,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -715,7 +720,7 @@ def verify_checkpoints(*, since: int | None = None) -> ChainReport:
     # Their numbers first, then each one alone: an iterator's generator would hold the one
     # before while the next is read, and a checkpoint's listing is what verification holds.
     for seq in list(checkpoints.values_list("seq", flat=True)):
-        checkpoint = Checkpoint.objects.filter(seq=seq).first()
+        checkpoint = Checkpoint.objects.defer(*LISTINGS).filter(seq=seq).first()
         if checkpoint is None:
             pruned = pruned_through()
             if pruned is not None and seq <= pruned[0]:  # pruned meanwhile, by the sweeper
@@ -731,33 +736,100 @@ def verify_checkpoints(*, since: int | None = None) -> ChainReport:
             expected_prev = previous.hash
         if checkpoint.prev_hash != expected_prev:
             report.findings.append(_anchor(subject, "does not link to the checkpoint before it"))
-        if event_hash(checkpoint.content()) != checkpoint.hash:
+        mac, findings = _listing_findings(checkpoint, archived)
+        if mac != checkpoint.hash:
             report.findings.append(_anchor(subject, "its content does not match its hash"))
-        report.findings += _listing_findings(checkpoint, archived)
-        # What the next one links to, without this one's listing, which is let go before the
-        # next is read (the loop's name would hold it meanwhile).
+        report.findings += findings
         previous = Checkpoint(**{name: getattr(checkpoint, name) for name in _LINK_FIELDS})
-        del checkpoint
     report.newest_checkpoint = previous
     return report
 
 
 # What a checkpoint's successor and `describe` read of it.
 _LINK_FIELDS = ("pk", "seq", "taken_at", "hash")
+# A checkpoint's listings: what verification streams rather than holds (`_listed`).
+LISTINGS = ("heads", "attempts")
 
 
-def _listing_findings(checkpoint: Checkpoint, archived: dict[str, int]) -> list[Finding]:
-    """Each step and closed attempt one checkpoint lists, against the ledger now. A listing
-    at an older version still holds: a chain only grows, and its event at that version
-    keeps its hash."""
+def _listing_findings(
+    checkpoint: Checkpoint, archived: dict[str, int]
+) -> tuple[str, list[Finding]]:
+    """The checkpoint's hash, computed over its content as `event_hash(content())` would,
+    and what is wrong with each step and closed attempt it lists, against the ledger now;
+    its listings streamed from the database a chunk at a time, never held whole (a
+    checkpoint taken while agents post a thousand steps a second lists a hundred thousand).
+
+    A listing at an older version still holds: a chain only grows, and its event at that
+    version keeps its hash."""
+    findings: list[Finding] = []
+    lengths = _listing_lengths(checkpoint.seq)
+    # Stand-ins, so that the keys are those of `content()`; the listings are streamed below.
+    content = checkpoint.content(
+        listings={name: [None] if lengths[name] else [] for name in LISTINGS}
+    )
+    mac = ledger_mac()
+    # `content()`'s canonical JSON, written key by key: a listing element by element.
+    mac.update(b"{")
+    for number, key in enumerate(sorted(content)):
+        mac.update(f"{',' if number else ''}{_CANONICAL_WITH_STR.encode(key)}:".encode())
+        if key not in LISTINGS:
+            mac.update(_CANONICAL_WITH_STR.encode(content[key]).encode())
+            continue
+        mac.update(b"[")
+        check = _head_findings if key == "heads" else _attempt_findings
+        for start, chunk in enumerate(_listed(checkpoint.seq, key)):
+            mac.update(
+                f"{',' if start else ''}"
+                f"{','.join(_CANONICAL_WITH_STR.encode(entry) for entry in chunk)}".encode()
+            )
+            findings += check(checkpoint.seq, chunk, archived)
+        mac.update(b"]")
+    mac.update(b"}")
+    return mac.hexdigest(), findings
+
+
+def _listing_lengths(seq: int) -> dict[str, int]:
+    table = connection.ops.quote_name(Checkpoint._meta.db_table)
+    length = "jsonb_array_length" if connection.vendor == "postgresql" else "json_array_length"
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT {', '.join(f'{length}({name})' for name in LISTINGS)} "  # noqa: S608
+            f"FROM {table} WHERE seq = %s",
+            [seq],
+        )
+        row = cursor.fetchone()
+    return dict(zip(LISTINGS, row or (0, 0), strict=True))
+
+
+def _listed(seq: int, name: str) -> Iterator[list[Any]]:
+    """The entries of checkpoint `seq`'s listing `name`, in order, `DEFAULT_CHUNK_SIZE` at a
+    time, through a server-side cursor on PostgreSQL."""
+    table = connection.ops.quote_name(Checkpoint._meta.db_table)
+    if connection.vendor == "postgresql":
+        sql = (
+            f"SELECT e.value::text FROM {table} c, "  # noqa: S608 - names, not input
+            f"jsonb_array_elements(c.{name}) WITH ORDINALITY AS e(value, n) "
+            f"WHERE c.seq = %s ORDER BY e.n"
+        )
+    else:
+        sql = (
+            f"SELECT e.value FROM {table} c, json_each(c.{name}) AS e "  # noqa: S608
+            f"WHERE c.seq = %s ORDER BY e.key"
+        )
+    cursor = connection.chunked_cursor()
+    try:
+        cursor.execute(sql, [seq])
+        while rows := cursor.fetchmany(DEFAULT_CHUNK_SIZE):
+            yield [json.loads(value) for (value,) in rows]
+    finally:
+        cursor.close()
+
+
+def _head_findings(seq: int, entries: list[Any], archived: dict[str, int]) -> list[Finding]:
+    """What is wrong with a chunk of a checkpoint's heads, against the ledger now."""
     findings = []
-    gone = {entry[0] for entry in checkpoint.heads if entry[1] in archived}
-    for start in range(0, len(checkpoint.heads), DEFAULT_CHUNK_SIZE):
-        chunk = [
-            entry
-            for entry in checkpoint.heads[start : start + DEFAULT_CHUNK_SIZE]
-            if entry[1] not in archived
-        ]
+    chunk = [entry for entry in entries if entry[1] not in archived]
+    if chunk:
         ids = [uuid.UUID(step_id) for step_id, _, _, _ in chunk]
         rows = {
             str(pk): (str(run_id), version)
@@ -767,7 +839,7 @@ def _listing_findings(checkpoint: Checkpoint, archived: dict[str, int]) -> list[
         }
         hashes = event_hashes([(uuid.UUID(step_id), version) for step_id, _, version, _ in chunk])
         for step_id, run_id, version, head in chunk:
-            subject = f"step {step_id} (in checkpoint {checkpoint.seq})"
+            subject = f"step {step_id} (in checkpoint {seq})"
             row = rows.get(step_id)
             if row is None:
                 findings.append(_anchor(subject, "was deleted, and its run was not archived"))
@@ -781,15 +853,16 @@ def _listing_findings(checkpoint: Checkpoint, archived: dict[str, int]) -> list[
                         f"holds that (now at version {row[1]}): events were cut or rewritten",
                     )
                 )
-    # The attempts a checkpoint lists are those of the steps it lists.
-    findings += _listed_attempt_findings(
-        {
-            attempt_id: (step_id, digest, checkpoint.seq)
-            for attempt_id, step_id, digest in checkpoint.attempts
-            if step_id not in gone
-        }
-    )
     return findings
+
+
+def _attempt_findings(seq: int, entries: list[Any], archived: dict[str, int]) -> list[Finding]:
+    """What is wrong with a chunk of a checkpoint's closed attempts (those of the steps it
+    lists). An attempt of a step that is gone is named with its step (a deleted step, or one
+    of an archived run: the archive holds it)."""
+    return _listed_attempt_findings(
+        {attempt_id: (step_id, digest, seq) for attempt_id, step_id, digest in entries}
+    )
 
 
 def event_hashes(pairs: Sequence[tuple[uuid.UUID, int]]) -> dict[tuple[str, int], str]:

@@ -896,16 +896,19 @@ class Checkpoint(models.Model):
     def __str__(self) -> str:
         return f"checkpoint {self.seq} at {self.taken_at:%Y-%m-%d %H:%M:%S}"
 
-    def content(self) -> dict[str, Any]:
+    def content(self, *, listings: dict[str, list[Any]] | None = None) -> dict[str, Any]:
+        """What its hash is over. `listings` stands in for `heads` and `attempts` (for a
+        reader that streams them rather than loads them)."""
+        listings = listings or {"heads": self.heads, "attempts": self.attempts}
         content: dict[str, Any] = {
             "seq": self.seq,
             "taken_at": self.taken_at.isoformat(),
             "since": self.since.isoformat() if self.since else None,
-            "heads": self.heads,
+            "heads": listings["heads"],
             "prev": self.prev_hash,
         }
-        if self.attempts:
-            content["attempts"] = self.attempts
+        if listings["attempts"]:
+            content["attempts"] = listings["attempts"]
         if self.archived:
             content["archived"] = self.archived
         if self.pruned:

@@ -72,6 +72,11 @@ def ledger_key() -> bytes:
     return key.encode()
 
 
+def ledger_mac() -> hmac.HMAC:
+    """An HMAC-SHA256 keyed like `event_hash`, to be fed a canonical JSON piece by piece."""
+    return hmac.new(ledger_key(), digestmod="sha256")
+
+
 # The digest of no result (JSON null), as `step_digest` would compute it.
 NO_RESULT_HASH = hashlib.sha256(b"null").hexdigest()
 

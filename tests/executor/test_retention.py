@@ -4,16 +4,15 @@ runs, and verification that holds one chunk in memory whatever the ledger's size
 
 from __future__ import annotations
 
-import gc
 import gzip
 import json
 import tracemalloc
-import weakref
 from collections.abc import Iterator
 from datetime import timedelta
 from io import StringIO
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 from django.core.management import CommandError, call_command
@@ -382,38 +381,51 @@ def test_verification_memory_does_not_grow_with_the_ledger(
     assert large_peak < 2 * small_peak, (small_peak, large_peak)
 
 
-def test_verification_holds_one_checkpoints_listing_at_a_time(
+def test_verification_never_holds_a_checkpoints_listing_whole(
     agent: Agent, workspace: Workspace
 ) -> None:
     """A checkpoint lists every step changed since the one before: at a thousand steps a
-    second, tens of thousands, the biggest thing verification reads. They are read one at a
-    time: neither the one before (what the next links to) nor the one `--since` names (its
-    time) is kept whole while the next is read."""
+    second, tens of thousands, the biggest thing verification reads. Its listings are
+    streamed a chunk at a time (its hash computed as they pass): no checkpoint is ever read
+    with them, and each chunk is let go before the next is read."""
     for name in ("a", "b", "c"):
         completed(agent, new_run(agent, workspace, name), 5)
         assert len(chain.checkpoint_take().heads) == 5
     first = Checkpoint.objects.order_by("seq").values_list("seq", flat=True).first()
-    listings: weakref.WeakSet[Checkpoint] = weakref.WeakSet()
-    others_alive_at_each_read: list[int] = []
+    read_whole: list[int] = []
+    chunks: list[int] = []
 
     def read(sender: Any, instance: Checkpoint, **kwargs: Any) -> None:
-        if instance.pk is not None and instance.heads:  # one read with its listing
-            gc.collect()
-            others_alive_at_each_read.append(len(listings))
-            listings.add(instance)
+        # Read from the database with a listing (not deferred, not empty).
+        if instance.pk is not None and (
+            instance.__dict__.get("heads") or instance.__dict__.get("attempts")
+        ):
+            read_whole.append(instance.seq)
+
+    listed = chain._listed
+
+    def counted(seq: int, name: str) -> Iterator[list[Any]]:
+        for chunk in listed(seq, name):
+            chunks.append(len(chunk))
+            yield chunk
 
     post_init.connect(read, sender=Checkpoint)
     try:
-        whole = chain.verify_ledger()
-        since = chain.verify_ledger(since=first)
+        with (
+            mock.patch.object(chain, "DEFAULT_CHUNK_SIZE", 2),
+            mock.patch.object(chain, "_listed", counted),
+        ):
+            whole = chain.verify_ledger()
+            since = chain.verify_ledger(since=first)
     finally:
         post_init.disconnect(read, sender=Checkpoint)
 
     assert whole.ok, whole.findings[:3]
     assert since.ok, since.findings[:3]
     assert whole.checkpoints == since.checkpoints == 3
-    # Each listing read once by each verification, and none while another was held.
-    assert others_alive_at_each_read == [0] * 6
+    assert read_whole == []
+    # 5 heads and 5 attempts a checkpoint, two at a time, by both verifications.
+    assert chunks == [2, 2, 1] * 2 * 3 * 2
 
 
 @pytest.mark.postgres
