@@ -405,7 +405,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--pg", default="postgres://postgres@127.0.0.1:5432")
     parser.add_argument("--db", default="stepward_scale")
     parser.add_argument("--own-cluster", action="store_true", help="a throwaway cluster, defaults")
-    parser.add_argument("--keep-db", action="store_true")
+    parser.add_argument(
+        "--keep-db", action="store_true", help="keep the database (with --own-cluster: its data)"
+    )
     parser.add_argument("--redis-db", type=int, default=11)
     parser.add_argument("--batch-size", type=int, default=500)
     parser.add_argument("--posters", type=int, default=2)
@@ -445,6 +447,10 @@ def main() -> None:
         if cluster:
             cluster.stop()
     report(sizes, meta)
+    if args.keep_db and cluster:
+        # Stopped; `pg_ctl -D <dir> start` (as postgres) brings the grown ledger back.
+        log(f"kept the cluster's data in {cluster.dir} (port {cluster.port})")
+        return
     shutil.rmtree(tmp, ignore_errors=True)
 
 
