@@ -19,6 +19,7 @@ anything done by someone who holds the key.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import uuid
@@ -36,6 +37,7 @@ from django.utils import timezone
 
 from executor.ledger.records import (
     OPEN_PHASES,
+    RECORDS,
     Approval,
     Attempt,
     Checkpoint,
@@ -45,6 +47,8 @@ from executor.ledger.records import (
     Step,
     StepCounter,
     call_hash,
+    pack_listing,
+    unpack_listing,
 )
 from executor.ledger.seals import attempt_digest, digest_of_approval, run_seal
 from executor.ledger.transitions import (
@@ -514,13 +518,12 @@ def checkpoint_take(
     previous = Checkpoint.objects.order_by("-seq").first()
     since = previous.taken_at - CHECKPOINT_OVERLAP if previous else None
     rows = _unlisted_heads(since)
-    heads = [[str(pk), str(run_id), version, head] for pk, run_id, version, head in rows]
     checkpoint = Checkpoint(
         seq=(previous.seq + 1) if previous else 1,
         taken_at=now,
         since=since,
-        heads=heads,
-        attempts=_closed_attempts([pk for pk, _, _, _ in rows]),
+        packed_heads=pack_listing("heads", rows),
+        packed_attempts=pack_listing("attempts", _closed_attempts([pk for pk, *_ in rows])),
         archived=list(archived),
         pruned=list(pruned),
         prev_hash=previous.hash if previous else "",
@@ -557,11 +560,11 @@ def _unlisted_heads(since: datetime | None) -> list[tuple[uuid.UUID, uuid.UUID, 
     listed: dict[str, int] = {}
     # Newest first along the seq index, stopping at the first one taken before `since`: a
     # few rows, however many checkpoints a year has left.
-    recent = Checkpoint.objects.order_by("-seq").values_list("taken_at", "heads")
-    for taken_at, heads in recent.iterator(chunk_size=1):
-        if taken_at < since:
+    recent = Checkpoint.objects.order_by("-seq").only("taken_at", "heads", "packed_heads")
+    for checkpoint in recent.iterator(chunk_size=1):
+        if checkpoint.taken_at < since:
             break
-        for step_id, _, version, _ in heads:
+        for step_id, _, version, _ in checkpoint.listed("heads"):
             listed[step_id] = max(version, listed.get(step_id, 0))
     rows = []
     for ids in _batched(changed_steps(since), DEFAULT_CHUNK_SIZE):
@@ -720,7 +723,7 @@ def verify_checkpoints(*, since: int | None = None) -> ChainReport:
     # Their numbers first, then each one alone: an iterator's generator would hold the one
     # before while the next is read, and a checkpoint's listing is what verification holds.
     for seq in list(checkpoints.values_list("seq", flat=True)):
-        checkpoint = Checkpoint.objects.defer(*LISTINGS).filter(seq=seq).first()
+        checkpoint = Checkpoint.objects.defer(*LISTINGS, *PACKED).filter(seq=seq).first()
         if checkpoint is None:
             pruned = pruned_through()
             if pruned is not None and seq <= pruned[0]:  # pruned meanwhile, by the sweeper
@@ -747,8 +750,10 @@ def verify_checkpoints(*, since: int | None = None) -> ChainReport:
 
 # What a checkpoint's successor and `describe` read of it.
 _LINK_FIELDS = ("pk", "seq", "taken_at", "hash")
-# A checkpoint's listings: what verification streams rather than holds (`_listed`).
+# A checkpoint's listings: what verification streams rather than holds (`_listed`,
+# `_packed`), as JSON (before migration 0024) or packed.
 LISTINGS = ("heads", "attempts")
+PACKED = tuple(f"packed_{name}" for name in LISTINGS)
 
 
 def _listing_findings(
@@ -761,11 +766,38 @@ def _listing_findings(
 
     A listing at an older version still holds: a chain only grows, and its event at that
     version keeps its hash."""
+    lengths, sizes = _listing_lengths(checkpoint.seq)
+    if not any(sizes.values()):
+        return _json_listing_findings(checkpoint, archived, lengths)
     findings: list[Finding] = []
-    lengths = _listing_lengths(checkpoint.seq)
+    if any(lengths.values()):
+        findings.append(_anchor(f"checkpoint {checkpoint.seq}", "holds two listings"))
+    packed: dict[str, tuple[int, str]] = {}
+    for name, size in sizes.items():
+        if not size:
+            continue
+        if size % RECORDS[name].size:
+            findings.append(
+                _anchor(f"checkpoint {checkpoint.seq}", f"its {name} are not whole records")
+            )
+        digest = hashlib.sha256()
+        check = _head_findings if name == "heads" else _attempt_findings
+        for chunk in _packed(checkpoint.seq, name, size):
+            digest.update(chunk)
+            findings += check(checkpoint.seq, unpack_listing(name, chunk), archived)
+        packed[name] = (size, digest.hexdigest())
+    return event_hash(checkpoint.content(packed=packed)), findings
+
+
+def _json_listing_findings(
+    checkpoint: Checkpoint, archived: dict[str, int], lengths: dict[str, int]
+) -> tuple[str, list[Finding]]:
+    """`_listing_findings` of a checkpoint taken before migration 0024: its JSON listings
+    streamed, the HMAC fed their canonical JSON key by key, element by element."""
+    findings: list[Finding] = []
     # Stand-ins, so that the keys are those of `content()`; the listings are streamed below.
     content = checkpoint.content(
-        listings={name: [None] if lengths[name] else [] for name in LISTINGS}
+        listings={name: [None] if lengths[name] else [] for name in LISTINGS}, packed={}
     )
     mac = ledger_mac()
     # `content()`'s canonical JSON, written key by key: a listing element by element.
@@ -788,17 +820,43 @@ def _listing_findings(
     return mac.hexdigest(), findings
 
 
-def _listing_lengths(seq: int) -> dict[str, int]:
+def _listing_lengths(seq: int) -> tuple[dict[str, int], dict[str, int]]:
+    """The entries of checkpoint `seq`'s JSON listings, and the bytes of its packed ones."""
     table = connection.ops.quote_name(Checkpoint._meta.db_table)
-    length = "jsonb_array_length" if connection.vendor == "postgresql" else "json_array_length"
+    postgres = connection.vendor == "postgresql"
+    length = "jsonb_array_length" if postgres else "json_array_length"
+    size = "octet_length" if postgres else "length"
+    columns = [f"{length}({name})" for name in LISTINGS] + [f"{size}({name})" for name in PACKED]
     with connection.cursor() as cursor:
         cursor.execute(
-            f"SELECT {', '.join(f'{length}({name})' for name in LISTINGS)} "  # noqa: S608
-            f"FROM {table} WHERE seq = %s",
+            f"SELECT {', '.join(columns)} FROM {table} WHERE seq = %s",  # noqa: S608
             [seq],
         )
-        row = cursor.fetchone()
-    return dict(zip(LISTINGS, row or (0, 0), strict=True))
+        row = cursor.fetchone() or (0,) * len(columns)
+    values = [int(value or 0) for value in row]
+    lengths, sizes = values[: len(LISTINGS)], values[len(LISTINGS) :]
+    return dict(zip(LISTINGS, lengths, strict=True)), dict(zip(LISTINGS, sizes, strict=True))
+
+
+def _packed(seq: int, name: str, size: int) -> Iterator[bytes]:
+    """Checkpoint `seq`'s packed listing `name` (`size` bytes), `DEFAULT_CHUNK_SIZE` records
+    at a time: a slice read from the database each (stored uncompressed on PostgreSQL, so a
+    slice reads only its own pages)."""
+    table = connection.ops.quote_name(Checkpoint._meta.db_table)
+    function = "substring" if connection.vendor == "postgresql" else "substr"
+    step = RECORDS[name].size * DEFAULT_CHUNK_SIZE
+    with connection.cursor() as cursor:
+        for start in range(0, size, step):
+            cursor.execute(
+                f"SELECT {function}(packed_{name}, %s, %s) FROM {table} "  # noqa: S608
+                f"WHERE seq = %s",
+                [start + 1, step, seq],
+            )
+            row = cursor.fetchone()
+            chunk = bytes(row[0]) if row and row[0] is not None else b""
+            if not chunk:
+                return
+            yield chunk
 
 
 def _listed(seq: int, name: str) -> Iterator[list[Any]]:
@@ -938,12 +996,12 @@ def checkpoints_prune(*, now: datetime | None = None) -> int:
     rows = (
         Checkpoint.objects.filter(seq__lt=newest)
         .order_by("seq")
-        .values_list("seq", "hash", "heads")
+        .only("seq", "hash", "heads", "packed_heads")
     )
-    for seq, hash_, heads in rows.iterator(chunk_size=1):
-        if any(entry[1] not in archived for entry in heads):
+    for checkpoint in rows.iterator(chunk_size=1):
+        if any(entry[1] not in archived for entry in checkpoint.listed("heads")):
             break
-        last = (seq, hash_)
+        last = (checkpoint.seq, checkpoint.hash)
     if last is None:
         return 0
     for _ in range(3):

@@ -9,9 +9,10 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
+import struct
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from decimal import Decimal
 from typing import Any
@@ -862,6 +863,53 @@ class DrillReport(models.Model):
         return f"drill {self.started_at:%Y-%m-%d %H:%M} {'passed' if self.passed else 'FAILED'}"
 
 
+# A checkpoint's listings packed (migration 0024): fixed-size records, a third of the JSON's
+# bytes (issue 25). A head: the step, its run, its version, its chain's head.
+HEAD_RECORD = struct.Struct(">16s16sI32s")
+# A closed attempt: its id, its step, its digest.
+ATTEMPT_RECORD = struct.Struct(">Q16s32s")
+RECORDS = {"heads": HEAD_RECORD, "attempts": ATTEMPT_RECORD}
+
+
+def pack_listing(name: str, entries: Iterable[Sequence[Any]]) -> bytes:
+    """`heads` (`[step, run, version, head]`) or `attempts` (`[attempt, step, digest]`) as
+    the records `unpack_listing` reads back. Raises ValueError on a digest that is not 64
+    hex characters."""
+    out = bytearray()
+    for entry in entries:
+        if name == "heads":
+            step, run, version, head = entry
+            out += HEAD_RECORD.pack(
+                uuid.UUID(str(step)).bytes, uuid.UUID(str(run)).bytes, version, _digest(head)
+            )
+        else:
+            attempt, step, digest = entry
+            out += ATTEMPT_RECORD.pack(int(attempt), uuid.UUID(str(step)).bytes, _digest(digest))
+    return bytes(out)
+
+
+def unpack_listing(name: str, data: bytes) -> list[list[Any]]:
+    """The entries of whole records in `data`, as their JSON listing held them."""
+    record = RECORDS[name]
+    whole = memoryview(data)[: len(data) - len(data) % record.size]
+    if name == "heads":
+        return [
+            [str(uuid.UUID(bytes=step)), str(uuid.UUID(bytes=run)), version, head.hex()]
+            for step, run, version, head in HEAD_RECORD.iter_unpack(whole)
+        ]
+    return [
+        [str(attempt), str(uuid.UUID(bytes=step)), digest.hex()]
+        for attempt, step, digest in ATTEMPT_RECORD.iter_unpack(whole)
+    ]
+
+
+def _digest(value: str) -> bytes:
+    raw = bytes.fromhex(value)
+    if len(raw) != 32:
+        raise ValueError(f"not a SHA-256 digest: {value!r}")
+    return raw
+
+
 class Checkpoint(models.Model):
     """A signed record of where steps' chains stood (DESIGN.md §15): an anchor for them.
 
@@ -869,16 +917,23 @@ class Checkpoint(models.Model):
     before (all steps in the first), and is chained to the one before and keyed like the
     events. Deleting a listed step, cutting its chain below the listed version or moving it
     to another run then shows, however consistently the rest was rewritten.
+
+    Since migration 0024 the listings are packed (`packed_heads`, `packed_attempts`: records
+    of `HEAD_RECORD` and `ATTEMPT_RECORD`), and the hash covers their SHA-256; checkpoints
+    taken before keep their JSON listings (`heads`, `attempts`) and verify as they did.
     """
 
     seq = models.PositiveIntegerField(unique=True)
     taken_at = models.DateTimeField()
     # Steps updated at or after this were listed (None: every step).
     since = models.DateTimeField(null=True, blank=True)
+    # Before 0024 (empty since).
     heads = models.JSONField(default=list)
     # `[attempt id, step id, digest]` of every closed attempt of the listed steps: evidence
-    # and errors edited, or attempts deleted, after a checkpoint show.
+    # and errors edited, or attempts deleted, after a checkpoint show. Before 0024.
     attempts = models.JSONField(default=list, blank=True)
+    packed_heads = models.BinaryField(default=b"", blank=True)
+    packed_attempts = models.BinaryField(default=b"", blank=True)
     # `[run id, steps, digest, archive file]` of every run archived and deleted since the
     # checkpoint before (API.md "Retention"): a run that is gone but listed here was
     # archived, one that is gone and listed nowhere was deleted.
@@ -896,19 +951,41 @@ class Checkpoint(models.Model):
     def __str__(self) -> str:
         return f"checkpoint {self.seq} at {self.taken_at:%Y-%m-%d %H:%M:%S}"
 
-    def content(self, *, listings: dict[str, list[Any]] | None = None) -> dict[str, Any]:
-        """What its hash is over. `listings` stands in for `heads` and `attempts` (for a
-        reader that streams them rather than loads them)."""
-        listings = listings or {"heads": self.heads, "attempts": self.attempts}
+    def listed(self, name: str) -> list[list[Any]]:
+        """The entries of listing `name` ("heads" or "attempts"), packed or not."""
+        packed = bytes(getattr(self, f"packed_{name}"))
+        return unpack_listing(name, packed) if packed else list(getattr(self, name))
+
+    def content(
+        self,
+        *,
+        listings: dict[str, list[Any]] | None = None,
+        packed: dict[str, tuple[int, str]] | None = None,
+    ) -> dict[str, Any]:
+        """What its hash is over. `listings` stands in for the JSON `heads` and `attempts`,
+        `packed` for the packed ones' `(bytes, SHA-256)` (for a reader that streams them
+        rather than loads them)."""
+        if packed is None and listings is None:
+            packed = {
+                name: (len(data), hashlib.sha256(data).hexdigest())
+                for name in RECORDS
+                if (data := bytes(getattr(self, f"packed_{name}")))
+            }
         content: dict[str, Any] = {
             "seq": self.seq,
             "taken_at": self.taken_at.isoformat(),
             "since": self.since.isoformat() if self.since else None,
-            "heads": listings["heads"],
             "prev": self.prev_hash,
         }
-        if listings["attempts"]:
-            content["attempts"] = listings["attempts"]
+        if packed:
+            content["packed"] = {
+                name: {"bytes": size, "sha256": digest} for name, (size, digest) in packed.items()
+            }
+        else:
+            listings = listings or {"heads": self.heads, "attempts": self.attempts}
+            content["heads"] = listings["heads"]
+            if listings["attempts"]:
+                content["attempts"] = listings["attempts"]
         if self.archived:
             content["archived"] = self.archived
         if self.pruned:

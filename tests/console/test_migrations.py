@@ -14,6 +14,7 @@ from django.db.migrations.executor import MigrationExecutor
 from django.utils import timezone
 
 from executor.engine import recovery
+from executor.ledger import chain
 from executor.ledger.records import Agent, Event, Run, Step
 from executor.ledger.states import State
 from tests.support.console import age, completed, reload, unknown
@@ -30,11 +31,15 @@ def migrate(target: str) -> None:
     executor.migrate([("executor", target)])
 
 
+def migrate_to_latest() -> None:
+    executor = MigrationExecutor(connection)
+    executor.migrate(executor.loader.graph.leaf_nodes("executor"))
+
+
 @pytest.fixture
 def back_to_latest() -> Iterator[None]:
     yield
-    executor = MigrationExecutor(connection)
-    executor.migrate(executor.loader.graph.leaf_nodes("executor"))
+    migrate_to_latest()
 
 
 def test_state_since_of_existing_steps_is_when_their_state_was_entered(
@@ -104,7 +109,7 @@ def test_the_steps_input_hashes_keep_their_values_through_0023_both_ways(
         cursor.execute("SELECT id, input_hash FROM executor_step")
         assert {(uuid.UUID(str(pk)), h) for pk, h in cursor.fetchall()} == hashes
 
-    migrate("0023_step_ids_in_time_order")  # and forth: the same hashes
+    migrate_to_latest()  # and forth: the same hashes
     assert set(Step.objects.values_list("pk", "input_hash")) == hashes
     assert Step.objects.filter(pk=steps[0].pk, input_hash=steps[0].input_hash).exists()
     if connection.vendor == "postgresql":
@@ -122,6 +127,22 @@ def test_the_steps_input_hashes_keep_their_values_through_0023_both_ways(
                 "attempt_unique_number",
             ]
     assert {step.pk.version for step in steps} == {7}
+    out = StringIO()
+    call_command("verify_ledger", stdout=out)
+    assert ", 0 broken" in out.getvalue()
+
+
+def test_0024_is_unapplied_only_while_no_checkpoint_lists_packed(agent: Agent, run: Run) -> None:
+    """Checkpoints signed over packed listings cannot be turned back into JSON ones: the way
+    back refuses rather than drop them (the chain would no longer verify)."""
+    completed(agent, run, key="done")
+    migrate("0023_step_ids_in_time_order")  # no checkpoint yet: back and forth
+    migrate_to_latest()
+    assert chain.checkpoint_take() is not None
+
+    with pytest.raises(RuntimeError, match="packed listings"):
+        migrate("0023_step_ids_in_time_order")
+    migrate_to_latest()
     out = StringIO()
     call_command("verify_ledger", stdout=out)
     assert ", 0 broken" in out.getvalue()

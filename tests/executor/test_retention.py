@@ -23,6 +23,7 @@ from django.utils import timezone
 from executor import engine
 from executor.ledger import chain, retention, runs
 from executor.ledger.records import (
+    RECORDS,
     Agent,
     Approval,
     Attempt,
@@ -381,32 +382,57 @@ def test_verification_memory_does_not_grow_with_the_ledger(
     assert large_peak < 2 * small_peak, (small_peak, large_peak)
 
 
+def as_taken_before_0024() -> None:
+    """Every checkpoint rewritten as one taken before migration 0024 (JSON listings), the
+    chain signed again in order."""
+    previous = ""
+    for checkpoint in Checkpoint.objects.order_by("seq"):
+        checkpoint.heads = checkpoint.listed("heads")
+        checkpoint.attempts = checkpoint.listed("attempts")
+        checkpoint.packed_heads = checkpoint.packed_attempts = b""
+        checkpoint.prev_hash = previous
+        checkpoint.hash = previous = chain.event_hash(checkpoint.content())
+        checkpoint.save()
+
+
+@pytest.mark.parametrize("listings", ["packed", "json"])
 def test_verification_never_holds_a_checkpoints_listing_whole(
-    agent: Agent, workspace: Workspace
+    agent: Agent, workspace: Workspace, listings: str
 ) -> None:
     """A checkpoint lists every step changed since the one before: at a thousand steps a
     second, tens of thousands, the biggest thing verification reads. Its listings are
     streamed a chunk at a time (its hash computed as they pass): no checkpoint is ever read
-    with them, and each chunk is let go before the next is read."""
+    with them, and each chunk is let go before the next is read. Packed listings (since
+    0024) and JSON ones (before) alike."""
     for name in ("a", "b", "c"):
         completed(agent, new_run(agent, workspace, name), 5)
-        assert len(chain.checkpoint_take().heads) == 5
+        taken = chain.checkpoint_take()
+        assert taken is not None
+        assert len(taken.listed("heads")) == 5
+    if listings == "json":
+        as_taken_before_0024()
     first = Checkpoint.objects.order_by("seq").values_list("seq", flat=True).first()
     read_whole: list[int] = []
     chunks: list[int] = []
 
     def read(sender: Any, instance: Checkpoint, **kwargs: Any) -> None:
         # Read from the database with a listing (not deferred, not empty).
-        if instance.pk is not None and (
-            instance.__dict__.get("heads") or instance.__dict__.get("attempts")
+        if instance.pk is not None and any(
+            instance.__dict__.get(name)
+            for name in ("heads", "attempts", "packed_heads", "packed_attempts")
         ):
             read_whole.append(instance.seq)
 
-    listed = chain._listed
+    listed, packed = chain._listed, chain._packed
 
     def counted(seq: int, name: str) -> Iterator[list[Any]]:
         for chunk in listed(seq, name):
             chunks.append(len(chunk))
+            yield chunk
+
+    def counted_packed(seq: int, name: str, size: int) -> Iterator[bytes]:
+        for chunk in packed(seq, name, size):
+            chunks.append(len(chunk) // RECORDS[name].size)
             yield chunk
 
     post_init.connect(read, sender=Checkpoint)
@@ -414,6 +440,7 @@ def test_verification_never_holds_a_checkpoints_listing_whole(
         with (
             mock.patch.object(chain, "DEFAULT_CHUNK_SIZE", 2),
             mock.patch.object(chain, "_listed", counted),
+            mock.patch.object(chain, "_packed", counted_packed),
         ):
             whole = chain.verify_ledger()
             since = chain.verify_ledger(since=first)

@@ -35,6 +35,7 @@ from executor.ledger.records import (
     Step,
     Workspace,
     call_hash,
+    pack_listing,
 )
 from executor.ledger.states import State
 from executor.services.posting import step_post
@@ -86,6 +87,11 @@ def cut_tail(step: Step) -> None:
         "external_id = '', lease_owner = 'w1', lease_expires_at = %s WHERE id = %s",
         [State.RUNNING, step.version - 1, stored_digest(running.hash), timezone.now(), step.pk.hex],
     )
+
+
+def listed(checkpoint: Checkpoint | None) -> list[list[Any]]:
+    assert checkpoint is not None
+    return checkpoint.listed("heads")
 
 
 def verify() -> list[str]:
@@ -211,9 +217,76 @@ def test_moving_a_step_and_its_events_to_another_run_is_caught(agent: Agent, run
 
 def test_an_edited_checkpoint_is_caught(agent: Agent, run: Run) -> None:
     completed_steps(agent, run)
-    sql(f"UPDATE {CHECKPOINTS} SET heads = %s WHERE seq = 1", ["[]"])
+    listed = Checkpoint.objects.get(seq=1).listed("heads")
+    shorter = pack_listing("heads", listed[1:])
+    sql(f"UPDATE {CHECKPOINTS} SET packed_heads = %s WHERE seq = 1", [shorter])
 
     assert verify() == ["checkpoint 1: its content does not match its hash"]
+
+
+def test_a_checkpoint_lists_its_heads_and_attempts_packed(agent: Agent, run: Run) -> None:
+    """68 bytes a head and 56 an attempt (migration 0024), read back as the JSON held them."""
+    steps = completed_steps(agent, run)
+    checkpoint = Checkpoint.objects.get(seq=1)
+
+    assert (checkpoint.heads, checkpoint.attempts) == ([], [])
+    assert len(checkpoint.packed_heads) == 68 * 3
+    assert len(checkpoint.packed_attempts) == 56 * 3
+    assert sorted(checkpoint.listed("heads")) == sorted(
+        [str(step.pk), str(run.pk), step.version, step.head_hash]
+        for step in Step.objects.filter(pk__in=[s.pk for s in steps])
+    )
+    assert sorted(entry[1] for entry in checkpoint.listed("attempts")) == sorted(
+        str(step.pk) for step in steps
+    )
+    assert "packed" in checkpoint.content()
+    assert "heads" not in checkpoint.content()
+
+
+@pytest.mark.parametrize("listing", ["packed_heads", "packed_attempts"])
+def test_a_flipped_byte_in_a_packed_listing_is_caught(agent: Agent, run: Run, listing: str) -> None:
+    completed_steps(agent, run)
+    packed = bytearray(getattr(Checkpoint.objects.get(seq=1), listing))
+    packed[-1] ^= 1  # the last digest's last bit
+    sql(f"UPDATE {CHECKPOINTS} SET {listing} = %s WHERE seq = 1", [bytes(packed)])
+
+    findings = verify()
+
+    assert "checkpoint 1: its content does not match its hash" in findings
+    # And what the flipped digest no longer matches is named.
+    assert any("(in checkpoint 1)" in finding for finding in findings), findings
+
+
+def test_checkpoints_taken_before_0024_keep_their_json_listings_and_verify(
+    agent: Agent, run: Run
+) -> None:
+    """A ledger older than packed listings: its checkpoints list heads as JSON, verify as
+    they did, and an edit of one is still caught; the next checkpoint packs its own."""
+    completed_steps(agent, run)  # checkpoint 1, packed
+    old = Checkpoint.objects.get(seq=1)
+    # As it was taken before 0024: the JSON listings, signed as such.
+    old.heads, old.attempts = old.listed("heads"), old.listed("attempts")
+    old.packed_heads = old.packed_attempts = b""
+    old.hash = chain.event_hash(old.content())
+    old.save()
+    later, _ = step_post(agent=agent, run=run, key="later", tool_name="echo", input={})
+    newer = chain.checkpoint_take()
+    assert newer is not None
+    assert newer.prev_hash == old.hash
+    assert [head[0] for head in newer.listed("heads")] == [str(later.pk)]
+    assert len(newer.packed_heads) == 68
+
+    assert chain.verify_ledger().findings == []
+    sql(f"UPDATE {CHECKPOINTS} SET heads = %s WHERE seq = 1", [json.dumps(old.heads[1:])])
+    assert verify() == ["checkpoint 1: its content does not match its hash"]
+
+
+def test_a_checkpoint_holding_both_listings_is_caught(agent: Agent, run: Run) -> None:
+    completed_steps(agent, run)
+    heads = Checkpoint.objects.get(seq=1).listed("heads")
+    sql(f"UPDATE {CHECKPOINTS} SET heads = %s WHERE seq = 1", [json.dumps(heads)])
+
+    assert verify() == ["checkpoint 1: holds two listings"]
 
 
 def test_a_deleted_checkpoint_is_caught(agent: Agent, run: Run) -> None:
@@ -246,7 +319,7 @@ def test_the_sweeper_signs_a_checkpoint_when_one_is_due(
     assert newest is not None
     assert newest.seq == 2
     # Checkpoint 1 lists every step where it stands: nothing changed since, nothing listed.
-    assert newest.heads == []
+    assert newest.listed("heads") == []
 
 
 def test_a_checkpoint_lists_each_step_changed_since_the_one_before_once(
@@ -254,16 +327,16 @@ def test_a_checkpoint_lists_each_step_changed_since_the_one_before_once(
 ) -> None:
     completed_steps(agent, run)  # checkpoint 1 lists all three
     # Their moves are within the next ones' overlap window: read again, not listed again.
-    assert chain.checkpoint_take().heads == []  # type: ignore[union-attr]
+    assert listed(chain.checkpoint_take()) == []
     later, _ = step_post(agent=agent, run=run, key="later", tool_name="echo", input={})
 
     checkpoint = chain.checkpoint_take()
 
     assert checkpoint is not None
-    assert [(head[0], head[2]) for head in checkpoint.heads] == [(str(later.pk), 1)]
-    assert chain.checkpoint_take().heads == []  # type: ignore[union-attr]
+    assert [(head[0], head[2]) for head in checkpoint.listed("heads")] == [(str(later.pk), 1)]
+    assert listed(chain.checkpoint_take()) == []
     assert engine.process(later.pk, worker="w1") == State.COMPLETED
-    assert [head[0] for head in chain.checkpoint_take().heads] == [str(later.pk)]  # type: ignore[union-attr]
+    assert [head[0] for head in listed(chain.checkpoint_take())] == [str(later.pk)]
     assert chain.verify_ledger().findings == []
 
 
@@ -571,7 +644,7 @@ def test_since_verifies_what_changed_after_that_checkpoint(agent: Agent, run: Ru
     assert engine.process(later.pk, worker="w1") == State.COMPLETED
     checkpoint = chain.checkpoint_take()
     assert checkpoint is not None
-    assert [head[0] for head in checkpoint.heads] == [str(later.pk)]  # checkpoint 2
+    assert [head[0] for head in checkpoint.listed("heads")] == [str(later.pk)]  # checkpoint 2
     sql(f"UPDATE {STEPS} SET external_id = %s WHERE id = %s", ["forged", later.pk.hex])
 
     out = StringIO()
