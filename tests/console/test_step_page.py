@@ -84,6 +84,8 @@ def test_the_timeline_merges_events_and_attempts_in_time_order(
     assert "console-test-worker" in text
     assert "ambiguous: connection dropped" in text
     assert text.index("running") < text.index("Attempt 1") < text.rindex("unknown")
+    # The post's one Event shows the states it passed through.
+    assert "new → planned → approved → pending agent:" in text
 
 
 def test_times_read_relative_and_name_the_absolute_time(
