@@ -1,7 +1,8 @@
 """Grows a ledger through the API and measures, at each size, what an agent, a reviewer, a
 scraper and an auditor feel (issue 25): a single post, batch ingest and the drain as the
-ledger grows, the console's pages, /metrics, verify_ledger (whole and --since the last
-checkpoint: time and the process's peak memory) and the bytes each completed step costs.
+ledger grows, the console's pages, /metrics, verify_ledger (whole and --since the newest
+checkpoint covering `--since-steps` changed steps: time and the process's own peak memory)
+and the bytes each completed step costs.
 
     .venv/bin/python bench/scale.py --sizes 2000                    # a smoke run
     .venv/bin/python bench/scale.py --sizes 250000,1000000 --own-cluster
@@ -39,6 +40,19 @@ import redis
 from throughput import PY, ROOT, Proc, check, free_port, log, on_signal, started, wait_http
 
 TAG = f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
+# Runs a script (argv[2:]) in this process and, as it exits however it exits, writes the
+# process's peak resident memory (VmHWM, kB) to argv[1].
+PEAK_WRAPPER = """
+import runpy, sys
+peak_file, sys.argv = sys.argv[1], sys.argv[2:]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+finally:
+    with open("/proc/self/status") as status:
+        hwm = next(line for line in status if line.startswith("VmHWM:")).split()[1]
+    with open(peak_file, "w") as out:
+        out.write(hwm)
+"""
 QUEUE = f"stepward-scale-{TAG}"
 PASSWORD = "scale-bench-password"
 
@@ -82,18 +96,31 @@ class Scale:
         return out.stdout
 
     def timed_manage(self, *argv: str) -> dict[str, Any]:
-        """Runs a command; its wall seconds and its process's peak resident memory."""
+        """Runs a command; its wall seconds, its process's own peak resident memory (VmHWM,
+        written by the process as it exits) and the last line it printed.
+
+        Not `wait4`'s ru_maxrss: a child started by vfork (as subprocess does) carries the
+        parent's high-water mark across exec, so that figure was this bench's own memory
+        (443 MB at 1M on 2026-12-06, where verification itself peaked at 126 MB)."""
+        peak_file = self.tmp / f"peak-{uuid.uuid4().hex[:8]}"
         started_at = time.perf_counter()
-        with open(self.logs / "verify.log", "ab") as out:
-            popen = subprocess.Popen(
-                [PY, "manage.py", *argv], cwd=ROOT, env=self.env(), stdout=out, stderr=out
-            )
-            _, status, usage = os.wait4(popen.pid, 0)
-            popen.returncode = os.waitstatus_to_exitcode(status)
+        out = subprocess.run(
+            [PY, "-c", PEAK_WRAPPER, str(peak_file), "manage.py", *argv],
+            cwd=ROOT,
+            env=self.env(),
+            capture_output=True,
+            text=True,
+        )
+        seconds = time.perf_counter() - started_at
+        with open(self.logs / "verify.log", "a") as log_file:
+            log_file.write(out.stdout + out.stderr)
+        lines = out.stdout.strip().splitlines()
+        peak_kb = int(peak_file.read_text()) if peak_file.exists() else 0
         return {
-            "seconds": round(time.perf_counter() - started_at, 2),
-            "peak_mb": round(usage.ru_maxrss / 1024, 1),
-            "exit": popen.returncode,
+            "seconds": round(seconds, 2),
+            "peak_mb": round(peak_kb / 1024, 1),
+            "exit": out.returncode,
+            "said": lines[-2] if len(lines) > 1 else (lines[-1] if lines else ""),
         }
 
     def proc(self, name: str, argv: list[str]) -> Proc:
@@ -308,10 +335,14 @@ def measure(scale: Scale, api: Api, conn: psycopg.Connection[Any]) -> dict[str, 
         result["metrics_ms_p50"] = timings(lambda: plain.get("/metrics"), args.repeat)
     newest = conn.execute("SELECT max(seq) FROM executor_checkpoint").fetchone()
     result["verify_full"] = scale.timed_manage("verify_ledger")
-    if newest and newest[0]:
-        result["verify_since_previous_checkpoint"] = scale.timed_manage(
-            "verify_ledger", "--since", str(newest[0])
-        )
+    covering = since_covering(conn, args.since_steps)
+    if covering is not None:
+        seq, changed = covering
+        result[SINCE] = {
+            "checkpoint": seq,
+            "steps_changed": changed,
+            **scale.timed_manage("verify_ledger", "--since", str(seq)),
+        }
     # A checkpoint now, so that the next size's --since covers what that size added.
     since = ["--since", str(newest[0])] if newest and newest[0] else []
     scale.manage("verify_ledger", *since, "--checkpoint")
@@ -360,7 +391,25 @@ def run(scale: Scale) -> dict[str, Any]:
     return sizes
 
 
-SINCE = "verify_since_previous_checkpoint"
+SINCE = "verify_since"
+
+
+def since_covering(conn: psycopg.Connection[Any], steps: int) -> tuple[int, int] | None:
+    """The newest checkpoint whose `--since` covers at least `steps` changed steps (the
+    oldest one if none does), and how many it covers: the steps with an event since it was
+    taken, less the five minutes `verify_ledger` reads again."""
+    seqs = [row[0] for row in conn.execute("SELECT seq FROM executor_checkpoint ORDER BY seq DESC")]
+    found = None
+    for seq in seqs:
+        (changed,) = conn.execute(
+            "SELECT count(DISTINCT e.step_id) FROM executor_event e, executor_checkpoint c "
+            "WHERE c.seq = %s AND e.created_at >= c.taken_at - interval '5 minutes'",
+            [seq],
+        ).fetchone() or (0,)
+        found = (seq, int(changed))
+        if changed >= steps:
+            break
+    return found
 
 
 def report(sizes: dict[str, Any], meta: dict[str, Any]) -> None:
@@ -376,6 +425,7 @@ def report(sizes: dict[str, Any], meta: dict[str, Any]) -> None:
         ("/metrics p50 (ms)", lambda r: r["metrics_ms_p50"]),
         ("verify_ledger (s)", lambda r: r["verify_full"]["seconds"]),
         ("verify_ledger peak memory (MB)", lambda r: r["verify_full"]["peak_mb"]),
+        ("verify_ledger --since: steps changed", lambda r: r.get(SINCE, {}).get("steps_changed")),
         ("verify_ledger --since (s)", lambda r: r.get(SINCE, {}).get("seconds")),
         ("verify_ledger --since peak (MB)", lambda r: r.get(SINCE, {}).get("peak_mb")),
         ("bytes a completed step", lambda r: r["size"]["bytes_per_completed_step"]),
@@ -409,6 +459,12 @@ def parse_args() -> argparse.Namespace:
         "--keep-db", action="store_true", help="keep the database (with --own-cluster: its data)"
     )
     parser.add_argument("--redis-db", type=int, default=11)
+    parser.add_argument(
+        "--since-steps",
+        type=int,
+        default=100_000,
+        help="verify_ledger --since the newest checkpoint covering this many changed steps",
+    )
     parser.add_argument("--batch-size", type=int, default=500)
     parser.add_argument("--posters", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=2)
