@@ -737,7 +737,7 @@ class Event(models.Model):
     (step, seq) constraint refuses a second event for one version.
     """
 
-    # Indexed by (run, created_at) and the unique (step, seq), which lead with them.
+    # Indexed by `event_run` and the unique (step, seq), which lead with them.
     run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="events", db_index=False)
     step = models.ForeignKey(Step, on_delete=models.PROTECT, related_name="events", db_index=False)
     seq = models.PositiveIntegerField()
@@ -761,7 +761,11 @@ class Event(models.Model):
             models.UniqueConstraint(fields=["step", "seq"], name="event_unique_seq"),
         ]
         indexes = [
-            models.Index(fields=["run", "created_at"], name="event_run_time"),
+            # A run's events (a run's deletion checks none is left; the drill reads them):
+            # the run alone, so that PostgreSQL's B-tree deduplication stores each run once
+            # with its rows' addresses, about 7 bytes an event where (run, created_at) took
+            # 44 (132 MB at a million steps, issue 25).
+            models.Index(fields=["run"], name="event_run"),
             # The decisions page: people's moves only, newest first. Partial, so the engine's
             # own moves (nearly every event) cost it nothing.
             models.Index(
