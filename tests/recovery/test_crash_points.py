@@ -132,7 +132,7 @@ def test_a_worker_killed_before_its_submission_commits_is_retried_without_asking
 
     assert done.state == State.COMPLETED, cluster.diagnose()
     assert states(done) == [*POSTED, "pending", "running", "verifying", "completed"]
-    recovery = done.events.get(seq=5)
+    recovery = done.events.get(seq=len(POSTED) + 1)
     assert recovery.actor.startswith("sweeper:")
     assert "nothing was sent" in recovery.reason
     assert cluster.desk.ticket_ids(done.operation_id) == [int(done.external_id)]
