@@ -220,7 +220,7 @@ def test_each_completion_lands_in_its_bucket(run: Run) -> None:
             key=f"k{n}",
             tool_id="echo",
             input={},
-            input_hash="x",
+            input_hash="0" * 64,
             state=State.PENDING,
             not_before=now,
         )
