@@ -30,17 +30,22 @@ def delete_role_group(sender: Any, instance: Any, **kwargs: Any) -> None:
 
 @receiver(post_migrate)
 def notification_triggers_after_migrate(sender: Any, **kwargs: Any) -> None:
-    """Puts back the notification triggers where a migration rebuilt their table (SQLite
-    rebuilds a table to alter it, and drops its triggers with it)."""
+    """Puts back the notification triggers and the ledger's guards where a migration rebuilt
+    their table (SQLite rebuilds a table to alter it, and drops its triggers with it)."""
     if getattr(sender, "name", "") != "executor":
         return
     from django.db import connections
+    from django.db.migrations.recorder import MigrationRecorder
 
+    from executor.ledger import guards
     from executor.notifications import triggers
 
     connection = connections[kwargs.get("using", "default")]
-    if "executor_notification" in connection.introspection.table_names():
+    tables = connection.introspection.table_names()
+    if "executor_notification" in tables:
         triggers.install(connection)
+    if ("executor", guards.MIGRATION) in MigrationRecorder(connection).applied_migrations():
+        guards.install(connection)
 
 
 @checks.register("notifications")

@@ -47,7 +47,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             r"executor\.(common|ledger|contract|policy|services|notifications|surfaces|worker)",
             r"executor\.(desk|gateway)",
             r"executor\.common\.\w+",
-            r"executor\.ledger\.(states|bulk)",
+            r"executor\.ledger\.(states|bulk|guards)",
             r"executor\.common\.conditions",
             r"executor\.notifications\.signed_webhook",
             r"executor\.surfaces\.(http|limits)",

@@ -679,7 +679,7 @@ OPEN_PHASES = (Phase.CLAIMED, Phase.SUBMITTING)
 
 
 class Attempt(models.Model):
-    # Not indexed alone: (step, number) and (step, fence), unique, lead with it.
+    # Not indexed alone: (step, number), unique, leads with it.
     step = models.ForeignKey(
         Step, on_delete=models.PROTECT, related_name="attempts", db_index=False
     )
@@ -704,14 +704,11 @@ class Attempt(models.Model):
 
     class Meta:
         ordering = ["step", "number"]
+        # One attempt a fence and one open attempt a step are kept by a trigger, not unique
+        # indexes: no index reads `phase`, so an attempt's moves can be HOT updates, and
+        # (step, fence) costs no index (executor/ledger/guards.py).
         constraints = [
             models.UniqueConstraint(fields=["step", "number"], name="attempt_unique_number"),
-            models.UniqueConstraint(fields=["step", "fence"], name="attempt_unique_fence"),
-            models.UniqueConstraint(
-                fields=["step"],
-                condition=Q(phase__in=OPEN_PHASES),
-                name="attempt_one_open_per_step",
-            ),
             models.CheckConstraint(condition=Q(phase__in=Phase.values), name="attempt_phase_valid"),
             models.CheckConstraint(
                 condition=~Q(phase__in=[Phase.SUBMITTING, Phase.RESPONDED])

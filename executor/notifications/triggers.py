@@ -12,7 +12,7 @@ because SQLite drops a table's triggers when a later migration rebuilds the tabl
 
 from __future__ import annotations
 
-from typing import Any
+from executor.common.triggers import TriggerSet
 
 WAITING = "('planned', 'unknown', 'dead', 'blocked')"
 KIND = (
@@ -80,40 +80,12 @@ SQLITE = [
 SQLITE_REVERSE = [f"DROP TRIGGER IF EXISTS {name}" for name in NAMES]
 
 
-def _statements(vendor: str, *, remove: bool = False) -> list[str]:
-    if vendor == "postgresql":
-        return POSTGRESQL_REVERSE if remove else POSTGRESQL
-    if vendor == "sqlite":
-        return SQLITE_REVERSE if remove else SQLITE
-    raise RuntimeError(f"notification triggers are written for PostgreSQL and SQLite, not {vendor}")
-
-
-def _execute(connection: Any, statements: list[str]) -> None:
-    with connection.cursor() as cursor:
-        for sql in statements:
-            cursor.execute(sql)
-
-
-def install(connection: Any) -> None:
-    """Creates the triggers, or replaces them with these."""
-    _execute(connection, _statements(connection.vendor))
-
-
-def uninstall(connection: Any) -> None:
-    _execute(connection, _statements(connection.vendor, remove=True))
-
-
-def installed(connection: Any) -> set[str]:
-    """The names of the triggers of NAMES that the database has."""
-    with connection.cursor() as cursor:
-        if connection.vendor == "postgresql":
-            cursor.execute(
-                "SELECT tgname FROM pg_trigger WHERE NOT tgisinternal AND tgname = ANY(%s)",
-                [list(NAMES)],
-            )
-        else:
-            cursor.execute(
-                "SELECT name FROM sqlite_master WHERE type = 'trigger' AND name IN (%s, %s, %s)",
-                list(NAMES),
-            )
-        return {row[0] for row in cursor.fetchall()}
+TRIGGERS = TriggerSet(
+    "notification triggers",
+    create={"postgresql": POSTGRESQL, "sqlite": SQLITE},
+    drop={"postgresql": POSTGRESQL_REVERSE, "sqlite": SQLITE_REVERSE},
+    names={"postgresql": NAMES, "sqlite": NAMES},
+)
+install = TRIGGERS.install
+uninstall = TRIGGERS.uninstall
+installed = TRIGGERS.installed

@@ -16,7 +16,18 @@ from django.contrib.auth import get_user_model
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
-from executor.ledger.records import Agent, Approval, Attempt, Event, Phase, Run, RunStatus, Step
+from executor.ledger import guards
+from executor.ledger.records import (
+    OPEN_PHASES,
+    Agent,
+    Approval,
+    Attempt,
+    Event,
+    Phase,
+    Run,
+    RunStatus,
+    Step,
+)
 from executor.ledger.states import State
 from tests.support.factories import WORKER, new_step, step_in
 
@@ -165,10 +176,63 @@ def test_a_second_open_attempt_on_a_step_is_refused(run: Run) -> None:
     step = step_in(run, State.RUNNING)
     attempt(step, 1, phase=Phase.CLAIMED)
 
-    with violates("attempt_one_open_per_step", sqlite_says="executor_attempt.step_id"):
+    with violates("attempt_one_open_per_step"):
         attempt(step, 2, phase=Phase.SUBMITTING, submitted_at=timezone.now())
 
     assert Attempt.objects.filter(step=step).count() == 1
+
+
+def test_a_closed_attempt_is_not_reopened_beside_an_open_one(run: Run) -> None:
+    # The rule is a trigger (executor/ledger/guards.py): it also looks at an update that
+    # opens an attempt again, or moves an open one onto a step that has one.
+    step, other = step_in(run, State.RUNNING), step_in(run, State.RUNNING)
+    closed = attempt(step, 1, phase=Phase.ERRORED)
+    attempt(step, 2, phase=Phase.CLAIMED)
+    elsewhere = attempt(other, 1, phase=Phase.CLAIMED)
+
+    with violates("attempt_one_open_per_step"):
+        Attempt.objects.filter(pk=closed.pk).update(phase=Phase.CLAIMED)
+    with violates("attempt_one_open_per_step"):
+        Attempt.objects.filter(pk=elsewhere.pk).update(step=step, number=3, fence=3)
+
+    assert Attempt.objects.get(pk=closed.pk).phase == Phase.ERRORED
+    assert Attempt.objects.get(pk=elsewhere.pk).step_id == other.pk
+    # Submitting and closing the open one are not its business.
+    Attempt.objects.filter(step=step, number=2).update(
+        phase=Phase.SUBMITTING, submitted_at=timezone.now()
+    )
+    Attempt.objects.filter(step=step, number=2).update(phase=Phase.RESPONDED)
+    Attempt.objects.filter(pk=closed.pk).update(phase=Phase.CLAIMED)  # none open now
+    assert Attempt.objects.filter(step=step, phase__in=OPEN_PHASES).count() == 1
+
+
+def test_the_guard_opens_exactly_the_open_phases() -> None:
+    assert "(" + ", ".join(f"'{phase}'" for phase in OPEN_PHASES) + ")" == guards.OPEN
+
+
+@pytest.mark.postgres
+def test_closing_an_attempt_is_a_hot_update(run: Run) -> None:
+    # No index reads an attempt's phase, so its close leaves every index alone (issue 25:
+    # the partial unique index on open attempts made each close write three index entries).
+    step = step_in(run, State.RUNNING)
+    opened = attempt(step, 1, phase=Phase.SUBMITTING, submitted_at=timezone.now())
+
+    def updates() -> tuple[int, int]:
+        # This transaction's own counts (the test's, with whatever ran in it before).
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables"
+                " WHERE relname = 'executor_attempt'"
+            )
+            return cursor.fetchone()
+
+    before = updates()
+    Attempt.objects.filter(pk=opened.pk).update(
+        phase=Phase.RESPONDED, response_evidence={"external_id": "T-1"}
+    )
+    after = updates()
+
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 1)
 
 
 def test_closed_attempts_do_not_count_against_the_open_one(run: Run) -> None:
@@ -191,10 +255,12 @@ def test_two_attempts_with_one_number_are_refused(run: Run) -> None:
 def test_two_attempts_with_one_fence_are_refused(run: Run) -> None:
     step = step_in(run, State.RUNNING)
     attempt(step, 1, phase=Phase.ERRORED)
-    with violates(
-        "attempt_unique_fence", sqlite_says="executor_attempt.step_id, executor_attempt.fence"
-    ):
+    with violates("attempt_unique_fence"):
         attempt(step, 2, fence=1, phase=Phase.ABANDONED)
+    second = attempt(step, 2, fence=2, phase=Phase.ABANDONED)
+    with violates("attempt_unique_fence"):  # a trigger, not an index: an update is looked at
+        Attempt.objects.filter(pk=second.pk).update(fence=1)
+    assert list(Attempt.objects.filter(step=step).values_list("fence", flat=True)) == [1, 2]
 
 
 def test_an_attempt_phase_outside_the_choices_is_refused(run: Run) -> None:
