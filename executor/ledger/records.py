@@ -632,7 +632,13 @@ class Step(models.Model):
             ),
             # A run's steps in one state, in posting order: the run page's report lists each
             # section's first steps without reading the run (a range scan bounded by LIMIT).
-            models.Index(fields=["run", "state", "position"], name="step_run_state"),
+            # Completed steps, most of a ledger, are not in it: a run's first completed ones
+            # are read in posting order from `step_unique_position`.
+            models.Index(
+                fields=["run", "state", "position"],
+                condition=~Q(state=State.COMPLETED),
+                name="step_run_incomplete",
+            ),
             # Expired leases.
             models.Index(
                 fields=["lease_expires_at"],

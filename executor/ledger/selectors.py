@@ -278,12 +278,15 @@ def run_report_shown(
     """The run report as the console's run page shows it, in a cost that does not grow with
     the run: each section's count (from `counts`, the counters) and its first
     REPORT_ENTRIES_SHOWN entries in posting order, read in one statement of one index range
-    scan per state (`step_run_state`). The summary is the API's (`run_report`). With
+    scan per state (`step_run_incomplete`; the completed ones, which it leaves out, from
+    `step_unique_position`, as many rows as come before the 50th completed one: a run's
+    steps are claimed in posting order, so those it has not finished are few and behind its
+    completed ones). The summary is the API's (`run_report`). With
     `reconcile`, the usage is also reconciled against the attempts and the external systems
     (which reads every attempt of the run, and asks the systems: on request only)."""
     section_of = {state: name for name, states in REPORT_SECTIONS.items() for state in states}
     report: dict[str, Any] = {name: [] for name in REPORT_SECTIONS}
-    for step in _first_steps_by_state(run, [s for s in State if counts.get(s.value)]):
+    for step in _first_steps_by_state(run, counts):
         report[section_of[State(step.state)]].append(
             {
                 "step_id": str(step.pk),
@@ -319,23 +322,48 @@ def run_report_shown(
     return report
 
 
-def _first_steps_by_state(run: Run, states: list[State]) -> list[Step]:
-    """The run's first REPORT_ENTRIES_SHOWN steps in each of `states`: one statement, a
-    UNION ALL of one bounded range scan of (run, state, position) per state."""
+# The completed steps are read from (run, position) a window of positions at a time, so that
+# no statement reads more than this many rows of the run whatever the planner's statistics.
+COMPLETED_WINDOW = 500
+
+
+def _first_steps_by_state(run: Run, counts: dict[str, int]) -> list[Step]:
+    """The run's first REPORT_ENTRIES_SHOWN steps in each state it has steps in (`counts`,
+    from its counters): one statement, a UNION ALL of one bounded range scan per state.
+    `step_run_incomplete` holds every state but completed; the completed ones are looked for
+    in the run's first COMPLETED_WINDOW positions (`step_unique_position`), and in the next
+    windows, a statement each, only while fewer are found than are to be shown (the run's
+    positions are 1..its number of steps)."""
+    states = [state for state in State if counts.get(state.value)]
     if not states:
         return []
     parts: list[str] = []
     params: list[Any] = []
     for state in states:
-        query = (
-            Step.objects.filter(run_id=run.pk, state=state)
-            .only(*REPORT_FIELDS)
-            .order_by("position")[:REPORT_ENTRIES_SHOWN]
-        )
-        sql, part_params = query.query.sql_with_params()
+        query = _steps_in(run, state)
+        if state == State.COMPLETED:
+            query = query.filter(position__lte=COMPLETED_WINDOW)
+        sql, part_params = query[:REPORT_ENTRIES_SHOWN].query.sql_with_params()
         parts.append(f"SELECT * FROM ({sql}) AS s{len(parts)}")  # noqa: S608 - the ORM's SQL
         params += list(part_params)
-    return list(Step.objects.raw(" UNION ALL ".join(parts), params))
+    found = list(Step.objects.raw(" UNION ALL ".join(parts), params))
+    shown = min(REPORT_ENTRIES_SHOWN, counts.get(State.COMPLETED.value, 0))
+    completed = sum(1 for step in found if step.state == State.COMPLETED)
+    after, total = COMPLETED_WINDOW, sum(counts.values())
+    while completed < shown and after < total:
+        more = list(
+            _steps_in(run, State.COMPLETED).filter(
+                position__gt=after, position__lte=after + COMPLETED_WINDOW
+            )[: shown - completed]
+        )
+        found += more
+        completed += len(more)
+        after += COMPLETED_WINDOW
+    return found
+
+
+def _steps_in(run: Run, state: State) -> QuerySet[Step]:
+    return Step.objects.filter(run_id=run.pk, state=state).only(*REPORT_FIELDS).order_by("position")
 
 
 def _summary(counts: dict[str, int], uncertain: list[dict[str, Any]]) -> str:

@@ -104,6 +104,37 @@ def test_a_run_of_fifty_thousand_steps_opens_as_one_of_fifty(
     assert "and 49940 more" in many_page
 
 
+def test_a_runs_first_completed_steps_behind_many_others_are_read_a_window_at_a_time(
+    bob: Client, agent: Agent, run: Run
+) -> None:
+    # Completed steps are not in the (run, state, position) index (they are most of a
+    # ledger); the report finds a run's first ones through (run, position), COMPLETED_WINDOW
+    # positions a statement, so a run whose completed steps come late costs more statements,
+    # never a statement reading the run.
+    other, _ = run_create(agent=agent, name="the rest of the ledger")
+    grown.grow_steps(other, 50_000)
+    grown.grow_steps(run, 1_200, state=State.UNKNOWN)
+    grown.grow_steps(run, 80, start=1_200)
+
+    queries, page = open_run_page(bob, run)
+
+    # The report's statements (the inbox's counts in the page's navigation read the 1,200
+    # steps that wait for a person: they are what it counts).
+    report_queries = [
+        query
+        for query in queries.captured_queries
+        if '"executor_step"."position" ASC LIMIT' in query["sql"]
+    ]
+    for query in report_queries:
+        assert_bounded(query, grown.plan(query["sql"], run=True), most=1_000)
+    windows = [q for q in report_queries if "'completed'" in q["sql"]]
+    assert len(windows) == 3  # positions 1-500 (with the other sections), 501-1000, 1001-1500
+    report = page.split('data-testid="run-steps"', 1)[0]
+    assert ">grown-1201<" in report
+    assert ">grown-1250<" in report
+    assert ">grown-1251<" not in report  # the first 50 only
+
+
 def test_the_steps_of_a_run_page_on_by_position(bob: Client, agent: Agent, run: Run) -> None:
     grown.grow_steps(run, 250)
 
