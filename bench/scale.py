@@ -1,8 +1,9 @@
 """Grows a ledger through the API and measures, at each size, what an agent, a reviewer, a
 scraper and an auditor feel (issue 25): a single post, batch ingest and the drain as the
-ledger grows, the console's pages, /metrics, verify_ledger (whole and --since the newest
-checkpoint covering `--since-steps` changed steps: time and the process's own peak memory)
-and the bytes each completed step costs.
+ledger grows, the drain of `--drain-steps` more posted at each size (the same work at every
+size), the console's pages, /metrics, verify_ledger (whole and --since the newest checkpoint
+covering `--since-steps` changed steps: time and the process's own peak memory) and the
+bytes each completed step costs.
 
     .venv/bin/python bench/scale.py --sizes 2000                    # a smoke run
     .venv/bin/python bench/scale.py --sizes 250000,1000000 --own-cluster
@@ -296,10 +297,24 @@ def size(conn: psycopg.Connection[Any]) -> dict[str, Any]:
     ).fetchall()
     completed, _ = ledger_counts(conn)
     total = sum(int(b) for _, b in rows)
+    updates = conn.execute(
+        "SELECT relname, n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables"
+        " WHERE relname IN ('executor_step', 'executor_attempt')"
+    ).fetchall()
     return {
         "total_mb": round(total / 2**20, 1),
         "bytes_per_completed_step": round(total / completed) if completed else None,
         "tables_mb": {name: round(int(b) / 2**20, 2) for name, b in rows[:8]},
+        "indexes_mb": {
+            name: round(int(b) / 2**20, 2)
+            for name, b in conn.execute(
+                "SELECT indexrelname, pg_relation_size(indexrelid) FROM pg_stat_user_indexes"
+                " WHERE relname IN ('executor_step', 'executor_attempt', 'executor_event')"
+                " ORDER BY 2 DESC"
+            )
+        },
+        # Updates, and of them HOT ones (no new index entry), since the cluster started.
+        "updates_hot": {name: [int(upd), int(hot)] for name, upd, hot in updates},
     }
 
 
@@ -385,6 +400,11 @@ def run(scale: Scale) -> dict[str, Any]:
         for target in [0, *args.sizes]:
             log(f"growing the ledger to {target} completed steps")
             growth = grow(scale, api, conn, target)
+            if args.drain_steps:
+                log(f"drain at {target}: {args.drain_steps} steps posted and drained")
+                done, _ = ledger_counts(conn)
+                probe = grow(scale, api, conn, done + args.drain_steps)
+                growth[DRAIN] = probe["drain_steps_per_second"]
             log(f"measuring at {target}")
             sizes[str(target)] = {**growth, **measure(scale, api, conn)}
             log(json.dumps(sizes[str(target)]))
@@ -392,6 +412,7 @@ def run(scale: Scale) -> dict[str, Any]:
 
 
 SINCE = "verify_since"
+DRAIN = "drain_at_size_steps_per_second"
 
 
 def since_covering(conn: psycopg.Connection[Any], steps: int) -> tuple[int, int] | None:
@@ -417,6 +438,7 @@ def report(sizes: dict[str, Any], meta: dict[str, Any]) -> None:
     rows = [
         ("batch ingest (steps/s, while growing)", lambda r: r.get("batch_ingest_steps_per_second")),
         ("drain (steps/s, while growing)", lambda r: r.get("drain_steps_per_second")),
+        ("drain at this size (steps/s)", lambda r: r.get(DRAIN)),
         ("single post p50 (ms)", lambda r: r["single_post_ms_p50"]),
         *[
             (f"{page} p50 (ms)", lambda r, page=page: r["pages_ms_p50"].get(page))
@@ -464,6 +486,12 @@ def parse_args() -> argparse.Namespace:
         type=int,
         default=100_000,
         help="verify_ledger --since the newest checkpoint covering this many changed steps",
+    )
+    parser.add_argument(
+        "--drain-steps",
+        type=int,
+        default=20_000,
+        help="at each size, post this many more and time their drain (0: no such probe)",
     )
     parser.add_argument("--batch-size", type=int, default=500)
     parser.add_argument("--posters", type=int, default=2)
