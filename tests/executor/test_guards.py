@@ -89,3 +89,36 @@ def test_migrate_puts_the_guard_back() -> None:
     call_command("migrate", "executor", verbosity=0)
 
     assert guards.installed(connection) == set(guards.NAMES[connection.vendor])
+
+
+COUNTER_TRIGGERS = {"stepward_attempts_inserted", "stepward_attempts_moved"}
+
+
+def attempt_triggers() -> set[str]:
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(
+                "SELECT tgname FROM pg_trigger WHERE NOT tgisinternal"
+                " AND tgrelid = 'executor_attempt'::regclass"
+            )
+        else:
+            cursor.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'trigger'"
+                " AND tbl_name = 'executor_attempt'"
+            )
+        return {row[0] for row in cursor.fetchall()}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_0026_both_ways_keeps_the_attempts_counters() -> None:
+    # On SQLite, 0026 rebuilds the attempts' table (the unique (step, fence) goes, and comes
+    # back on the way back), which drops its triggers: the counters' must come back too.
+    assert attempt_triggers() >= COUNTER_TRIGGERS
+    try:
+        call_command("migrate", "executor", "0025", verbosity=0)
+        assert attempt_triggers() >= COUNTER_TRIGGERS
+        assert guards.installed(connection) == set()
+    finally:
+        call_command("migrate", "executor", verbosity=0)
+    assert attempt_triggers() >= COUNTER_TRIGGERS
+    assert guards.installed(connection) == set(guards.NAMES[connection.vendor])
